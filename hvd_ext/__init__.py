@@ -1,0 +1,11 @@
+"""hvd_ext: communication-efficient gradient and parameter exchange for Horovod + PyTorch.
+
+    opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=hvd_ext.compression_from_spec("topk:ratio=0.01"))
+"""
+from .compression import compression_from_spec, describe_compressors, list_compressors  # noqa: F401
+from .compression.base import Compressor, Continue, TensorInfo  # noqa: F401
+from .feedback import Feedback  # noqa: F401
+from .optimizer import DistributedOptimizer  # noqa: F401
+
+__version__ = "0.1.0"

@@ -1,0 +1,200 @@
+"""The Compressor interface and the registry behind ``compression_from_spec``.
+
+A compressor is pure tensor-in / payload-out code: it never communicates.
+It declares which collective its payload rides on:
+
+* ``exchange = "allreduce"`` -- linear codecs (none, fp16, bf16, PowerSGD factors):
+  ``compress`` returns a 1-D tensor whose elementwise reduction (Horovod
+  Average or Sum) is meaningful; ``decompress`` turns the *reduced* payload back
+  into a dense tensor, or returns ``Continue(payload, ctx)`` to ask for one more
+  allreduce round (PowerSGD's P then Q).
+* ``exchange = "allgather"`` -- non-linear codecs (top-k, quantized codes):
+  ``compress`` returns a 1-D ``torch.uint8`` tensor (exact wire bytes);
+  ``aggregate`` turns every rank's bytes into the dense *sum* of their
+  contributions (the exchange then applies the averaging factor).
+
+After the exchange, ``local_contribution`` says what this rank's payload
+amounted to (dense), which error feedback subtracts from what it meant to send.
+
+Compressors are registered by name with ``@register("name")``; their options
+are declared as :class:`hvd_ext.options.Option` so specs are validated before
+any collective starts. Learned from GRACE's ``grace_dl/torch`` (one compressor a
+module, memory and communication kept apart).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
+
+import torch
+
+from ..options import Option, resolve_options
+
+EXCHANGES = ("allreduce", "allgather")
+
+
+@dataclass
+class TensorInfo:
+    """What a compressor may know about the tensor it compresses.
+
+    All of it is identical on every rank (names, shapes, the step counter), so
+    decisions taken from it are consistent -- except ``param`` which is the
+    local parameter value (identical across ranks under synchronous training).
+    """
+
+    name: str
+    shape: torch.Size
+    step: int = 0
+    rank: int = 0
+    size: int = 1
+    param: Optional[torch.Tensor] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+
+@dataclass
+class Continue:
+    """Returned by ``decompress`` to request another allreduce round."""
+
+    payload: torch.Tensor
+    ctx: Any = None
+
+
+class Compressor:
+    """Base class. Subclasses set ``name``, ``exchange``, ``options`` and implement the codec."""
+
+    name: ClassVar[str] = "?"
+    exchange: ClassVar[str] = "allreduce"
+    options: ClassVar[Dict[str, Option]] = {}
+    # Spec name of the feedback used when the spec does not say ``feedback=``.
+    default_feedback: ClassVar[str] = "none"
+    # Feedback names this compressor accepts (None = any registered feedback).
+    accepted_feedback: ClassVar[Optional[Tuple[str, ...]]] = None
+    # True when every rank's payload has the same size for a given tensor.
+    fixed_size: ClassVar[bool] = True
+
+    def __init__(self, **kwargs):
+        self.opts = resolve_options(f"compressor '{self.name}'", self.options, kwargs)
+        for k, v in self.opts.items():
+            setattr(self, k, v)
+        self.feedback = None  # set by compression_from_spec / DistributedOptimizer
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-option checks; raise ValueError naming the problem."""
+
+    # ---- codec -------------------------------------------------------------
+    def compress(self, tensor: torch.Tensor, info: TensorInfo) -> Tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def decompress(self, payload: torch.Tensor, ctx: Any, info: TensorInfo):
+        """allreduce codecs: reduced payload -> dense tensor (shape ``info.shape``) or ``Continue``."""
+        raise NotImplementedError
+
+    def decode(self, data: torch.Tensor, ctx: Any, info: TensorInfo) -> torch.Tensor:
+        """allgather codecs: one rank's bytes -> its dense contribution (flat, float32)."""
+        raise NotImplementedError
+
+    def aggregate(self, datas: List[torch.Tensor], ctx: Any, info: TensorInfo) -> torch.Tensor:
+        """allgather codecs: all ranks' bytes -> dense *sum* of contributions (flat).
+
+        The default decodes one rank at a time into a single accumulator, so
+        it never holds N dense copies."""
+        out = None
+        for d in datas:
+            dense = self.decode(d, ctx, info)
+            out = dense.clone() if out is None else out.add_(dense)
+        return out
+
+    def support(self, datas: List[torch.Tensor], ctx: Any, info: TensorInfo) -> Optional[torch.Tensor]:
+        """allgather codecs: boolean mask (flat) of coordinates some rank sent, or None if unknown.
+        Used by feedbacks that predict unsent coordinates (``ewma``)."""
+        return None
+
+    def local_contribution(self, payload: torch.Tensor, ctx: Any, info: TensorInfo,
+                           result: torch.Tensor) -> torch.Tensor:
+        """Dense value of what this rank sent (used by error feedback).
+
+        ``result`` is the exchanged (averaged) dense tensor; multi-round codecs
+        such as PowerSGD use it. Default: decode our own payload."""
+        if self.exchange == "allgather":
+            return self.decode(payload, ctx, info)
+        out = self.decompress(payload, ctx, info)
+        if isinstance(out, Continue):
+            raise NotImplementedError(f"{self.name}: multi-round codec must override local_contribution")
+        return out
+
+    # ---- accounting ----------------------------------------------------------
+    def wire_bytes(self, numel: int) -> Optional[int]:
+        """Exact payload bytes for a tensor of ``numel`` elements, if fixed (else None)."""
+        return None
+
+    # ---- state (part of the optimizer checkpoint) ------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
+    def spec(self) -> str:
+        items = [f"{k}={v}" for k, v in self.opts.items() if v != self.options[k].default]
+        fb = getattr(self, "feedback", None)
+        if fb is not None and fb.name != self.default_feedback:
+            items.append(f"feedback={fb.name}")
+            items += [f"{k}={v}" for k, v in fb.opts.items() if v != fb.options[k].default]
+        return self.name + (":" + ",".join(items) if items else "")
+
+    def __repr__(self) -> str:
+        return f"<hvd_ext compressor {self.spec()}>"
+
+
+_REGISTRY: Dict[str, Type[Compressor]] = {}
+
+
+def register(name: str):
+    """Class decorator: make a compressor available to ``compression_from_spec``."""
+
+    def deco(cls: Type[Compressor]) -> Type[Compressor]:
+        if name in _REGISTRY:
+            raise RuntimeError(f"compressor {name!r} registered twice")
+        if cls.exchange not in EXCHANGES:
+            raise RuntimeError(f"{cls.__name__}.exchange must be one of {EXCHANGES}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def registry() -> Dict[str, Type[Compressor]]:
+    return dict(_REGISTRY)
+
+
+# ---- byte helpers shared by allgather codecs ---------------------------------------
+
+def as_bytes(*tensors: torch.Tensor) -> torch.Tensor:
+    """Concatenate tensors' raw bytes into one flat uint8 tensor (no padding)."""
+    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors if t.numel() > 0]
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat(parts)
+
+
+def from_bytes(data: torch.Tensor, offset: int, dtype: torch.dtype, count: int) -> Tuple[torch.Tensor, int]:
+    """Read ``count`` elements of ``dtype`` at byte ``offset`` of a uint8 tensor.
+
+    Copies when the offset is not aligned for ``dtype``. Returns (tensor, new offset)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    nbytes = count * itemsize
+    chunk = data[offset:offset + nbytes]
+    if chunk.numel() != nbytes:
+        raise ValueError(f"payload truncated: wanted {nbytes} bytes at offset {offset}, have {data.numel() - offset}")
+    if chunk.storage_offset() % itemsize:
+        chunk = chunk.clone()
+    return chunk.view(dtype), offset + nbytes

@@ -1,0 +1,18 @@
+"""No compression: the dense gradient rides on Horovod's allreduce (Horovod ``Compression.none``)."""
+from __future__ import annotations
+
+from .base import Compressor, register
+
+
+@register("none")
+class NoneCompressor(Compressor):
+    exchange = "allreduce"
+
+    def compress(self, tensor, info):
+        return tensor.reshape(-1), None
+
+    def decompress(self, payload, ctx, info):
+        return payload.reshape(info.shape)
+
+    def wire_bytes(self, numel):
+        return 4 * numel

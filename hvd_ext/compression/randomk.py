@@ -1,0 +1,99 @@
+"""Random-k sparsification (Stich et al. 2018, "Sparsified SGD with memory"; GRACE ``randomk``).
+
+Each step sends k = ceil(ratio * n) coordinates chosen uniformly without
+replacement; the rest stays in the residual feedback memory (default
+``feedback=residual``). Indices come from a counter-based seed
+(seed, step, tensor name[, rank]) so nothing random is kept as state and a
+resumed run draws the same indices.
+
+* ``shared=0`` (default): each rank draws its own indices; payload = k int32
+  indices + k float32 values = 8k bytes, exchanged by allgather.
+* ``shared=1``: all ranks draw the same indices, so the k values are summed by
+  allreduce (4k bytes) and nothing else is sent.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+
+from ..options import Option, fraction, non_negative
+from .base import Compressor, as_bytes, from_bytes, register
+
+
+def _generator(seed: int, step: int, name: str, rank: int) -> torch.Generator:
+    g = torch.Generator()
+    key = (seed * 1_000_003 + step) * 1_000_033 + zlib.crc32(name.encode()) * 8191 + rank
+    g.manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
+    return g
+
+
+def count_for(ratio: float, numel: int) -> int:
+    return min(numel, max(1, math.ceil(ratio * numel))) if numel else 0
+
+
+@register("randomk")
+class RandomKCompressor(Compressor):
+    exchange = "allgather"
+    default_feedback = "residual"
+    options = {
+        "ratio": Option(float, 0.01, "0 < ratio <= 1", fraction, help="fraction of coordinates sent"),
+        "shared": Option(bool, False, "0 or 1", help="same indices on every rank (rides on allreduce)"),
+        "seed": Option(int, 0, "integer >= 0", non_negative),
+    }
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        if self.shared:
+            # Instance attribute: the exchange reads it to route the payload.
+            self.exchange = "allreduce"
+
+    def indices(self, info) -> torch.Tensor:
+        n = info.numel
+        k = count_for(self.ratio, n)
+        g = _generator(self.seed, info.step, info.name, 0 if self.shared else info.rank)
+        return torch.randperm(n, generator=g)[:k].sort().values
+
+    def compress(self, tensor, info):
+        flat = tensor.reshape(-1).float()
+        idx = self.indices(info)
+        values = flat[idx.to(flat.device)]
+        if self.shared:
+            return values, idx
+        return as_bytes(idx.to(torch.int32).to(flat.device), values), None
+
+    # shared=1: allreduce path
+    def decompress(self, payload, ctx, info):
+        out = torch.zeros(info.numel, dtype=payload.dtype, device=payload.device)
+        out[ctx.to(payload.device)] = payload
+        return out.reshape(info.shape)
+
+    # shared=0: allgather path
+    def _split(self, data):
+        k = data.numel() // 8
+        idx, off = from_bytes(data, 0, torch.int32, k)
+        val, _ = from_bytes(data, off, torch.float32, k)
+        return idx.long(), val
+
+    def decode(self, data, ctx, info):
+        idx, val = self._split(data)
+        out = torch.zeros(info.numel, dtype=torch.float32, device=data.device)
+        out[idx] = val
+        return out
+
+    def aggregate(self, datas, ctx, info):
+        out = torch.zeros(info.numel, dtype=torch.float32, device=datas[0].device)
+        for d in datas:
+            idx, val = self._split(d)
+            out.index_add_(0, idx, val)
+        return out
+
+    def local_contribution(self, payload, ctx, info, result):
+        if self.shared:
+            return self.decompress(payload, ctx, info).reshape(-1)
+        return self.decode(payload, ctx, info)
+
+    def wire_bytes(self, numel):
+        k = count_for(self.ratio, numel)
+        return 4 * k if self.shared else 8 * k

@@ -1,0 +1,318 @@
+"""``hvd_ext.DistributedOptimizer``: ``hvd.DistributedOptimizer`` with a compressed exchange.
+
+Same signature and behaviour as Horovod's (``horovod/torch/optimizer.py``):
+per-parameter hooks start communication while backward is still running,
+``synchronize()``, ``skip_synchronize()``, ``backward_passes_per_step``
+accumulation, any torch optimizer. The returned object is an instance of the
+wrapped optimizer's class (``isinstance(opt, torch.optim.SGD)`` holds) that
+shares its parameter groups and state.
+
+Additions: ``compression`` also takes spec strings and hvd_ext compressors,
+``bucket_bytes`` sizes the fused collectives, ``stats`` counts bytes and
+waiting, a step whose gradient is non-finite on any rank is skipped on every
+rank, and ``state_dict()`` carries the feedback memory.
+"""
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Any, Dict, Optional
+
+import torch
+
+from .compression import compression_from_spec, make_feedback
+from .compression.base import Compressor
+from .exchange import Exchange
+from .pipeline import GradientPipeline
+from .stats import CommStats
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # PyTorch DDP's default bucket size
+
+
+class HorovodCodecAdapter(Compressor):
+    """Wraps a Horovod-style compressor (``compress(t) -> (t, ctx)``, ``decompress(t, ctx)``)
+    as a linear allreduce codec, so custom ``hvd.Compression`` classes keep working."""
+
+    name = "horovod"
+    exchange = "allreduce"
+
+    def __init__(self, codec):
+        super().__init__()
+        self.codec = codec
+
+    def compress(self, tensor, info):
+        out, ctx = self.codec.compress(tensor)
+        return out.reshape(-1), ctx
+
+    def decompress(self, payload, ctx, info):
+        return self.codec.decompress(payload, ctx).reshape(info.shape)
+
+    def spec(self):
+        return f"horovod:{getattr(self.codec, '__name__', type(self.codec).__name__)}"
+
+
+def resolve_compression(compression) -> Compressor:
+    """Accept a spec string, an hvd_ext compressor, ``hvd.Compression.none/fp16`` or any
+    Horovod-style codec; raise ValueError for anything else."""
+    import horovod.torch as hvd
+
+    if compression is None or compression is hvd.Compression.none:
+        return compression_from_spec("none")
+    if compression is hvd.Compression.fp16:
+        return compression_from_spec("fp16")
+    if isinstance(compression, str):
+        return compression_from_spec(compression)
+    if isinstance(compression, Compressor):
+        if compression.feedback is None:
+            compression.feedback = make_feedback(compression.default_feedback, compression)
+        return compression
+    if isinstance(compression, type) and issubclass(compression, Compressor):
+        raise ValueError(f"compression: pass an instance ({compression.__name__}()) or a spec string, "
+                         "not the class")
+    if callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None)):
+        return HorovodCodecAdapter(compression)
+    raise ValueError(f"compression: unsupported value {compression!r}; accepted: a spec string such as "
+                     "'topk:ratio=0.01' (see hvd_ext.list_compressors()), an hvd_ext compressor, "
+                     "hvd.Compression.none / hvd.Compression.fp16, or an object with compress/decompress")
+
+
+class _DistributedMixin:
+    """Methods placed in front of the wrapped optimizer's class (see ``DistributedOptimizer``)."""
+
+    def _hvd_ext_setup(self, named_parameters, compressor: Compressor, backward_passes_per_step: int,
+                       op, gradient_predivide_factor: float, process_set, bucket_bytes: int,
+                       log_path: Optional[str]):
+        import horovod.torch as hvd
+
+        self._hvd = hvd
+        self._compression = compressor
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.process_set = process_set
+        if op == hvd.Average:
+            prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+        else:
+            prescale = postscale = 1.0
+        self._exchange = Exchange(op=op, prescale_factor=prescale, postscale_factor=postscale,
+                                  process_set=process_set)
+        trainable = [(n, p) for n, p in named_parameters if p.requires_grad]
+        self._parameter_names = {p: n for n, p in named_parameters}
+        self._pipeline = GradientPipeline(trainable, compressor, compressor.feedback, self._exchange,
+                                          bucket_bytes)
+        self._allreduce_delay = {p: backward_passes_per_step for _, p in trainable}
+        self._requires_update = {p for _, p in trainable}
+        self._hook_handles = []
+        self._synchronized = False
+        self._should_synchronize = True
+        self._skip_next_step = False
+        self._exchange_gradients = True
+        self._hooked_since_sync = False
+        self.stats = CommStats(log_path)
+        self._last_counts = (0, 0, 0.0, 0.0)
+        if process_set.included():
+            self._register_hooks()
+
+    # ---- hooks -----------------------------------------------------------------------------
+    def _register_hooks(self):
+        for p in self._requires_update:
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    def _make_hook(self, p):
+        def hook(param):
+            if not self._exchange_gradients:
+                return
+            self._hooked_since_sync = True
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError("Gradients were computed more than backward_passes_per_step times "
+                                     "before call to step(). Increase backward_passes_per_step to "
+                                     "accumulate gradients locally.")
+            self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] == 0:
+                self._pipeline.mark_ready(p)
+        return hook
+
+    # ---- Horovod API ------------------------------------------------------------------------
+    def set_backward_passes_per_step(self, passes: int):
+        if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def synchronize(self):
+        """Finish this step's exchange: ``p.grad`` then holds the averaged gradient."""
+        if not self.process_set.included() or not self._exchange_gradients:
+            self._synchronized = True
+            return
+        nonfinite = self._pipeline.finish()
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._hooked_since_sync = False
+        self._synchronized = True
+        self._skip_next_step = nonfinite
+        self._record(skipped=nonfinite, exchanged=True)
+
+    def _record(self, skipped: bool, exchanged: bool):
+        ex = self._exchange.stats
+        now = (ex.bytes_sent, ex.bytes_received, ex.wait_s, self._pipeline.compress_s)
+        last = self._last_counts
+        self._last_counts = now
+        self.stats.record(bytes_sent=now[0] - last[0], bytes_received=now[1] - last[1],
+                          comm_wait_s=now[2] - last[2], compress_s=now[3] - last[3],
+                          skipped=skipped, exchanged=exchanged)
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Use after an explicit ``synchronize()`` so ``step()`` does not exchange again."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                              "consider using optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        if self._skip_next_step:
+            # Some rank had a NaN/Inf gradient: every rank skips this update.
+            self._skip_next_step = False
+            return None
+        return super().step(closure) if closure is not None else super().step()
+
+    def zero_grad(self, *args, **kwargs):
+        if self._pipeline.in_flight:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it "
+                                 "can cause a race condition.")
+        return super().zero_grad(*args, **kwargs)
+
+    # ---- hvd_ext additions ----------------------------------------------------------------
+    @property
+    def compression(self) -> Compressor:
+        return self._compression
+
+    @property
+    def exchange(self) -> Exchange:
+        return self._exchange
+
+    def set_gradient_exchange(self, enabled: bool) -> None:
+        """Turn the per-step gradient exchange on or off (sync strategies use this between
+        parameter averages). Must be called identically on every rank."""
+        if self._pipeline.in_flight:
+            raise AssertionError("set_gradient_exchange() called while gradients are being exchanged")
+        self._exchange_gradients = bool(enabled)
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["hvd_ext"] = self._pipeline.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        ext = state_dict.pop("hvd_ext", None)
+        for b in self._pipeline.buckets:
+            b.pending = None
+            b.ready.clear()
+            b.items = []
+        self._synchronized = False
+        self._should_synchronize = True
+        self._skip_next_step = False
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        super().load_state_dict(state_dict)
+        if ext is not None:
+            self._pipeline.load_state_dict(ext)
+
+
+def _check_named_parameters(optimizer, named_parameters):
+    all_params = [p for g in optimizer.param_groups for p in g["params"]]
+    if named_parameters is None:
+        return [(f"allreduce.noname.{i}.{j}", p)
+                for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])]
+    named_parameters = list(named_parameters)
+    if any(not isinstance(x, tuple) or len(x) != 2 for x in named_parameters):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
+    names = [n for n, _ in named_parameters]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                         + ", ".join(dups))
+    named_ids = {id(p) for _, p in named_parameters}
+    unnamed = [p for p in all_params if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
+                         "Python object ids: " + ", ".join(str(id(p)) for p in unnamed))
+    opt_ids = {id(p) for p in all_params}
+    # Keep only parameters the optimizer updates, in the order given.
+    return [(n, p) for n, p in named_parameters if id(p) in opt_ids]
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
+                         op=None, gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                         sparse_as_dense=False, process_set=None, *, bucket_bytes=DEFAULT_BUCKET_BYTES,
+                         log_path=None):
+    """Wrap ``optimizer`` so gradients are exchanged (compressed) across Horovod ranks.
+
+    Arguments are Horovod's (``hvd.DistributedOptimizer``) plus:
+      compression: spec string (``"topk:ratio=0.01"``), hvd_ext compressor, or
+        ``hvd.Compression.none/fp16`` (default: none).
+      bucket_bytes: dense bytes of gradients fused into one collective (default 25 MiB).
+      log_path: append one JSON line of stats per step to this file.
+
+    ``num_groups``/``groups`` are accepted for compatibility; hvd_ext fuses by
+    ``bucket_bytes`` instead. Sparse gradients are always exchanged as dense.
+    Every argument is checked before any collective starts.
+    """
+    import horovod.torch as hvd
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedMixin):
+        raise ValueError("optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once")
+    op = hvd.Average if op is None else op
+    if op not in (hvd.Average, hvd.Sum, hvd.Adasum):
+        raise ValueError(f"op must be one of hvd.Average, hvd.Sum, hvd.Adasum; got {op!r}")
+    if (not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool)
+            or backward_passes_per_step < 1):
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+    try:
+        gradient_predivide_factor = float(gradient_predivide_factor)
+    except (TypeError, ValueError):
+        raise ValueError(f"gradient_predivide_factor must be a positive number, got {gradient_predivide_factor!r}")
+    if not gradient_predivide_factor > 0 or gradient_predivide_factor == float("inf"):
+        raise ValueError(f"gradient_predivide_factor must be a positive finite number, got {gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
+    if num_groups and groups is not None:
+        raise ValueError("num_groups and groups are mutually exclusive")
+    if num_groups or groups is not None:
+        warnings.warn("hvd_ext.DistributedOptimizer: num_groups/groups are accepted for compatibility; "
+                      "collectives are fused by bucket_bytes instead")
+    compressor = resolve_compression(compression)
+    if op == hvd.Adasum and compressor.exchange != "allreduce":
+        raise ValueError(f"op=hvd.Adasum needs a linear (allreduce) compressor such as none or fp16; "
+                         f"'{compressor.name}' uses {compressor.exchange}")
+    process_set = hvd.global_process_set if process_set is None else process_set
+    named = _check_named_parameters(optimizer, named_parameters)
+
+    base = optimizer.__class__
+    cls = type(base.__name__, (_DistributedMixin, base), {"__doc__": base.__doc__})
+    dist = cls.__new__(cls)
+    # Share the optimizer's groups and state; drop instance-level wrappers of its bound
+    # methods (an LR scheduler built earlier wraps ``optimizer.step``) so ours are used.
+    dist.__dict__.update({k: v for k, v in optimizer.__dict__.items()
+                          if not (callable(v) and getattr(v, "__self__", None) is optimizer)
+                          and k not in ("step", "zero_grad")})
+    dist._hvd_ext_setup(named, compressor, backward_passes_per_step, op, gradient_predivide_factor,
+                        process_set, bucket_bytes, log_path)
+    return dist

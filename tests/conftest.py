@@ -1,0 +1,75 @@
+"""Shared test helpers: launching real multi-rank Horovod jobs with a timeout."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def _env():
+    env = dict(os.environ)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def launch(script, *args, np=2, launcher="gloo", timeout=180):
+    """Run ``script`` (a path, or a name under tests/workers) on ``np`` ranks.
+
+    launcher: "gloo" -> horovodrun --gloo, "mpi" -> horovodrun --mpi, "mpirun" -> plain mpirun.
+    Returns the list of JSON objects printed by the ranks on lines starting with
+    'RESULT ' (one per rank, sorted by their "rank" key). A hang fails after ``timeout``
+    seconds; a non-zero exit fails with the output.
+    """
+    script = Path(script)
+    if not script.is_absolute():
+        script = WORKERS / script
+    py = sys.executable
+    hvdrun = shutil.which("horovodrun", path=str(Path(py).parent) + os.pathsep + os.environ.get("PATH", ""))
+    if launcher == "gloo":
+        cmd = [hvdrun, "-np", str(np), "--gloo", py, str(script), *map(str, args)]
+    elif launcher == "mpi":
+        cmd = [hvdrun, "-np", str(np), "--mpi", "--mpi-args=--oversubscribe --allow-run-as-root",
+               py, str(script), *map(str, args)]
+    elif launcher == "mpirun":
+        cmd = ["mpirun", "-np", str(np), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none",
+               "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", py, str(script), *map(str, args)]
+    else:
+        raise ValueError(f"launcher must be gloo, mpi or mpirun, got {launcher!r}")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT),
+                              start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"")
+        out = out.decode() if isinstance(out, bytes) else out
+        pytest.fail(f"{' '.join(cmd)} hung for {timeout}s (deadlock?)\n{out[-4000:]}")
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{out[-6000:]}")
+    results = []
+    for line in proc.stdout.splitlines():
+        i = line.find("RESULT ")
+        if i >= 0:
+            results.append(json.loads(line[i + 7:]))
+    results.sort(key=lambda r: r.get("rank", 0))
+    if len(results) != np:
+        pytest.fail(f"expected {np} RESULT lines, got {len(results)}\n{out[-6000:]}")
+    return results
+
+
+@pytest.fixture
+def run_ranks():
+    return launch
