@@ -26,12 +26,12 @@ def _env():
     return env
 
 
-def launch(script, *args, np=2, launcher="gloo", timeout=180):
+def launch(script, *args, np=2, launcher="gloo", timeout=180, expect=None):
     """Run ``script`` (a path, or a name under tests/workers) on ``np`` ranks.
 
     launcher: "gloo" -> horovodrun --gloo, "mpi" -> horovodrun --mpi, "mpirun" -> plain mpirun.
     Returns the list of JSON objects printed by the ranks on lines starting with
-    'RESULT ' (one per rank, sorted by their "rank" key). A hang fails after ``timeout``
+    'RESULT ' (``expect`` of them, default one per rank, sorted by their "rank" key). A hang fails after ``timeout``
     seconds; a non-zero exit fails with the output.
     """
     script = Path(script)
@@ -60,13 +60,17 @@ def launch(script, *args, np=2, launcher="gloo", timeout=180):
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{out[-6000:]}")
     results = []
-    for line in proc.stdout.splitlines():
-        i = line.find("RESULT ")
-        if i >= 0:
-            results.append(json.loads(line[i + 7:]))
+    decoder = json.JSONDecoder()
+    text = proc.stdout
+    i = text.find("RESULT {")
+    while i >= 0:  # launchers may glue ranks' lines together: decode object by object
+        obj, end = decoder.raw_decode(text, i + 7)
+        results.append(obj)
+        i = text.find("RESULT {", end)
     results.sort(key=lambda r: r.get("rank", 0))
-    if len(results) != np:
-        pytest.fail(f"expected {np} RESULT lines, got {len(results)}\n{out[-6000:]}")
+    expect = np if expect is None else expect
+    if len(results) != expect:
+        pytest.fail(f"expected {expect} RESULT lines, got {len(results)}\n{out[-6000:]}")
     return results
 
 

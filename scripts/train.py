@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+"""Main job: data-parallel training of a 1-D CNN on MNIST-1D with hvd_ext.
+
+    horovodrun -np 2 python scripts/train.py --compression topk:ratio=0.01 --epochs 8
+
+Prints test accuracy, bytes on the wire per step (and the ratio to the dense
+fp32 gradient), ms per step and ms per step waiting on communication;
+``--json OUT`` writes the same as one JSON object (rank 0).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compression", default="none",
+                   help="compressor spec, e.g. none, fp16, randomk:ratio=0.01 (see hvd_ext.list_compressors())")
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--lr", type=float, default=0.2, help="peak learning rate (one-cycle schedule)")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--channels", type=int, default=64, help="CNN width")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bucket-bytes", type=int, default=25 * 1024 * 1024)
+    p.add_argument("--json", default=None, help="write the summary as one JSON object here (rank 0)")
+    p.add_argument("--log", default=None, help="per-step JSON-lines stats log (suffix .rankN added)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    args = p.parse_args(argv)
+    for name in ("epochs", "batch", "channels", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not args.lr > 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import horovod.torch as hvd
+
+    import hvd_ext
+    from hvd_ext.examples.mnist1d import MNIST1DCNN, accuracy, load_mnist1d
+
+    # Validate the spec before any collective: a bad spec fails on every rank alike.
+    compressor = hvd_ext.compression_from_spec(args.compression)
+
+    hvd.init()
+    torch.set_num_threads(args.threads)
+    rank, size = hvd.rank(), hvd.size()
+
+    # Rank 0 generates the data set once; the others wait, then read the cache.
+    if rank == 0:
+        load_mnist1d()
+    hvd.barrier()
+    x_train, y_train, x_test, y_test = load_mnist1d()
+
+    torch.manual_seed(args.seed)
+    model = MNIST1DCNN(args.channels)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    log_path = f"{args.log}.rank{rank}" if args.log else None
+    opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compressor,
+                                       bucket_bytes=args.bucket_bytes, log_path=log_path)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    opt.stats.reset()
+
+    steps_per_epoch = len(x_train) // (args.batch * size)
+    total_steps = steps_per_epoch * args.epochs
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=total_steps)
+    dense_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+
+    bar = None
+    if rank == 0 and not args.no_progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total_steps, desc=f"train {args.compression}", unit="step", leave=False, mininterval=2.0,
+                       file=sys.stderr)
+        except ImportError:
+            bar = None
+
+    history = []
+    gen = torch.Generator().manual_seed(args.seed)  # same permutation on every rank
+    train_time = 0.0
+    loss_val = float("nan")
+    for epoch in range(args.epochs):
+        perm = torch.randperm(len(x_train), generator=gen)
+        t_epoch = time.perf_counter()
+        for i in range(steps_per_epoch):
+            idx = perm[(i * size + rank) * args.batch:(i * size + rank + 1) * args.batch]
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+            loss.backward()
+            opt.step()
+            sched.step()
+            loss_val = loss.item()
+            if bar is not None:
+                bar.update(1)
+                if i % 20 == 0:
+                    bar.set_postfix(loss=f"{loss_val:.3f}", epoch=epoch + 1)
+        train_time += time.perf_counter() - t_epoch
+        acc = accuracy(model, x_test, y_test)
+        history.append({"epoch": epoch + 1, "test_acc": acc, "train_time_s": train_time, "loss": loss_val})
+    if bar is not None:
+        bar.close()
+
+    s = opt.stats.summary()
+    # Mean over ranks of the per-rank counters (ranks may send different byte counts).
+    keys = ["bytes_sent_per_step", "bytes_received_per_step", "comm_wait_ms_per_step", "compress_ms_per_step",
+            "exchanges"]
+    vec = torch.tensor([float(s[k]) for k in keys], dtype=torch.float64)
+    vec = hvd.allreduce(vec, op=hvd.Average, name="train.summary")
+    mean = dict(zip(keys, vec.tolist()))
+    final_acc = history[-1]["test_acc"]
+    result = {
+        "compression": compressor.spec(),
+        "ranks": size,
+        "epochs": args.epochs,
+        "steps": total_steps,
+        "test_acc": final_acc,
+        "bytes_sent_per_step": mean["bytes_sent_per_step"],
+        "bytes_received_per_step": mean["bytes_received_per_step"],
+        "dense_bytes_per_step": dense_bytes,
+        "bytes_ratio_vs_dense": mean["bytes_sent_per_step"] / dense_bytes,
+        "ms_per_step": 1e3 * train_time / max(total_steps, 1),
+        "comm_wait_ms_per_step": mean["comm_wait_ms_per_step"],
+        "compress_ms_per_step": mean["compress_ms_per_step"],
+        "exchanges": mean["exchanges"],
+        "skipped_steps": s["skipped_steps"],
+        "train_time_s": train_time,
+        "history": history,
+    }
+    if rank == 0:
+        print(f"compression           {result['compression']}")
+        print(f"ranks x epochs        {size} x {args.epochs} ({total_steps} steps)")
+        print(f"test accuracy         {100 * final_acc:.2f}%")
+        print(f"bytes sent per step   {result['bytes_sent_per_step']:.0f} "
+              f"({result['bytes_ratio_vs_dense']:.4f} of dense fp32 {dense_bytes}; "
+              f"{1 / max(result['bytes_ratio_vs_dense'], 1e-12):.1f}x fewer)")
+        print(f"ms per step           {result['ms_per_step']:.2f}")
+        print(f"comm wait ms per step {result['comm_wait_ms_per_step']:.2f}")
+        print(f"train time            {train_time:.1f} s")
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    opt.stats.close()
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""A standard Horovod training script's usage patterns, with hvd.DistributedOptimizer
+replaced by hvd_ext.DistributedOptimizer (launched with the MPI controller and mpirun)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import hvd_ext  # noqa: E402
+from common import emit  # noqa: E402
+
+hvd.init()
+torch.set_num_threads(1)
+RANK, SIZE = hvd.rank(), hvd.size()
+DistributedOptimizer = hvd_ext.DistributedOptimizer  # the one-line change
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 8)
+        self.b = torch.nn.Linear(8, 2)
+        self.extra = torch.nn.Linear(8, 2)  # used on rank 0 only (dynamic graph)
+
+    def forward(self, x, use_extra=False):
+        h = torch.relu(self.a(x))
+        out = self.b(h)
+        return out + self.extra(h) if use_extra else out
+
+
+def data(i):
+    g = torch.Generator().manual_seed(1000 * RANK + i)
+    return torch.randn(4, 6, generator=g), torch.randint(0, 2, (4,), generator=g)
+
+
+def spread(model):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    allp = hvd.allgather(flat.unsqueeze(0))
+    return float((allp - allp[0:1]).abs().max())
+
+
+def fresh():
+    torch.manual_seed(0)
+    m = Net()
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    return m
+
+
+res = {"rank": RANK, "size": SIZE, "mpi": hvd.mpi_enabled()}
+
+# 1. Typical script: lr scaled by size, scheduler, broadcast state, clipping via synchronize().
+model = fresh()
+opt = torch.optim.SGD(model.parameters(), lr=0.01 * SIZE, momentum=0.9)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # built BEFORE wrapping
+opt = DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=hvd.Compression.fp16)
+hvd.broadcast_optimizer_state(opt, root_rank=0)
+for i in range(4):
+    opt.zero_grad()
+    x, y = data(i)
+    F.cross_entropy(model(x, use_extra=(RANK == 0)), y).backward()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with opt.skip_synchronize():
+        opt.step()
+    sched.step()
+res["typical_spread"] = spread(model)
+res["typical_lr"] = opt.param_groups[0]["lr"]
+
+# 2. No named_parameters, Adam, op=Sum equals the sum of gradients.
+model = fresh()
+opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), op=hvd.Sum)
+x, y = data(10)
+opt.zero_grad()
+F.cross_entropy(model(x), y).backward()
+mine = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+opt.synchronize()
+err = 0.0
+for p, g in zip([p for p in model.parameters() if p.grad is not None and p is not model.extra.weight
+                 and p is not model.extra.bias], mine):
+    err = max(err, float((p.grad - hvd.allreduce(g, op=hvd.Sum)).abs().max()))
+with opt.skip_synchronize():
+    opt.step()
+res["sum_err"] = err
+
+# 3. gradient_predivide_factor still averages.
+model = fresh()
+opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                           gradient_predivide_factor=2.0)
+opt.zero_grad()
+F.cross_entropy(model(x), y).backward()
+mine = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+opt.synchronize()
+res["predivide_err"] = max(float((dict(model.named_parameters())[n].grad - hvd.allreduce(g, op=hvd.Average)).abs().max())
+                           for n, g in mine.items())
+with opt.skip_synchronize():
+    opt.step()
+
+# 4. Adasum pass-through runs and keeps ranks identical.
+model = fresh()
+opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                           op=hvd.Adasum)
+for i in range(2):
+    opt.zero_grad()
+    F.cross_entropy(model(*data(20 + i)[:1]), data(20 + i)[1]).backward()
+    opt.step()
+res["adasum_spread"] = spread(model)
+
+# 5. Errors Horovod users rely on.
+model = fresh()
+errors = {}
+try:
+    DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                         named_parameters=[("same", p) for p in model.parameters()])
+except ValueError as e:
+    errors["duplicate"] = "duplicates" in str(e)
+try:
+    DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                         named_parameters=list(model.named_parameters())[:2])
+except ValueError as e:
+    errors["unnamed"] = "not named" in str(e)
+opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+F.cross_entropy(model(x), y).backward()
+try:
+    opt.zero_grad()
+except AssertionError:
+    errors["zero_grad_race"] = True
+opt.step()
+res["errors"] = errors
+emit(**res)
