@@ -47,14 +47,22 @@ fi
 VPY="$VENV/bin/python"
 PIP=("$VPY" -m pip install -q)
 
-have_cuda=0
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then have_cuda=1; fi
+# A GPU node: a visible NVIDIA device. Its CUDA major version picks the CuPy wheel;
+# NCCL (system library or HOROVOD_NCCL_HOME) lets Horovod run its collectives on the GPU.
+have_cuda=0; cuda_major=12; have_nccl=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  have_cuda=1
+  v=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -1)
+  [ -n "$v" ] && cuda_major="$v"
+  if [ -n "${HOROVOD_NCCL_HOME:-}" ] || ldconfig -p 2>/dev/null | grep -q libnccl; then have_nccl=1; fi
+fi
+case "$cuda_major" in 11) CUPY=cupy-cuda11x;; 13) CUPY=cupy-cuda13x;; *) CUPY=cupy-cuda12x;; esac
 
 STEP="python packages (torch, numpy, mpi4py, pytest, mnist1d, tqdm, matplotlib, cupy)"
 if ! "$VPY" - <<PYEOF >/dev/null 2>&1
 import importlib.metadata as m, sys
 need = {"torch": "$TORCH_VERSION"}
-for name in ["numpy", "mpi4py", "pytest", "mnist1d", "tqdm", "matplotlib", "cupy-cuda12x", "psutil", "cloudpickle"]:
+for name in ["numpy", "mpi4py", "pytest", "mnist1d", "tqdm", "matplotlib", "$CUPY", "psutil", "cloudpickle", "pytest-timeout"]:
     m.version(name)
 v = m.version("torch").split("+")[0]
 sys.exit(0 if v == need["torch"] else 1)
@@ -65,14 +73,14 @@ then
   "${PIP[@]}" "torch==$TORCH_VERSION"
   "${PIP[@]}" numpy mpi4py pytest pytest-timeout mnist1d tqdm matplotlib psutil cloudpickle packaging pyyaml
   # CuPy: the wheel imports without a GPU; kernels fall back to torch where there is no device.
-  "${PIP[@]}" cupy-cuda12x || log "warning: cupy-cuda12x could not be installed; GPU kernels disabled"
+  "${PIP[@]}" "$CUPY" || log "warning: $CUPY could not be installed; GPU kernels disabled (torch fallback)"
 else
   log "python packages present"
 fi
 
 STEP="horovod $HOROVOD_VERSION (build from source with PyTorch + MPI + Gloo)"
 if "$VPY" -c "import horovod, horovod.torch as h; assert horovod.__version__ == '$HOROVOD_VERSION'; assert h.mpi_built() and h.gloo_built()" >/dev/null 2>&1 \
-   && { [ $have_cuda -eq 0 ] || "$VPY" -c "import horovod.torch as h; assert h.nccl_built()" >/dev/null 2>&1; }; then
+   && { [ $have_nccl -eq 0 ] || "$VPY" -c "import horovod.torch as h; assert h.nccl_built()" >/dev/null 2>&1; }; then
   log "horovod present"
 else
   # Horovod 0.28.1's CMake forces -std=c++14 but torch 2.13 headers need C++17:
@@ -91,15 +99,19 @@ WEOF
   export CXX="$WRAP/g++"
   export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1
   export HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
-  if [ $have_cuda -eq 1 ]; then
-    log "CUDA device found: building Horovod with NCCL GPU operations"
+  if [ $have_nccl -eq 1 ]; then
+    log "CUDA device and NCCL found: building Horovod with HOROVOD_GPU_OPERATIONS=NCCL"
     export HOROVOD_GPU_OPERATIONS=NCCL
+    # a wheel cached from a CPU-only build must not be reused here
+    NOCACHE=(--no-cache-dir)
+  elif [ $have_cuda -eq 1 ]; then
+    log "warning: CUDA device found but no NCCL library: Horovod is built without GPU collectives"
   fi
   cm_major=$(cmake --version | head -1 | sed 's/[^0-9]*\([0-9]*\).*/\1/')
   if [ "${cm_major:-3}" -ge 4 ]; then export CMAKE_POLICY_VERSION_MINIMUM=3.5; fi
   export MAKEFLAGS="-j$(nproc)"
   log "building horovod==$HOROVOD_VERSION (about 6 minutes on 2 cores; the built wheel is cached by pip)"
-  "$VPY" -m pip install -q --no-build-isolation "horovod==$HOROVOD_VERSION"
+  "$VPY" -m pip install -q --no-build-isolation ${NOCACHE[@]+"${NOCACHE[@]}"} "horovod==$HOROVOD_VERSION"
   "$VPY" -c "import horovod.torch as h; assert h.mpi_built() and h.gloo_built(), 'horovod built without MPI/Gloo'"
 fi
 

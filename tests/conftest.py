@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -49,19 +50,20 @@ def launch(script, *args, np=2, launcher="gloo", timeout=180, expect=None):
                "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", py, str(script), *map(str, args)]
     else:
         raise ValueError(f"launcher must be gloo, mpi or mpirun, got {launcher!r}")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            cwd=str(ROOT), start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT),
-                              start_new_session=True)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"")
-        out = out.decode() if isinstance(out, bytes) else out
-        pytest.fail(f"{' '.join(cmd)} hung for {timeout}s (deadlock?)\n{out[-4000:]}")
-    out = proc.stdout + proc.stderr
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} hung for {timeout}s (deadlock?)\n{(stdout + stderr)[-4000:]}")
+    out = stdout + stderr
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{out[-6000:]}")
     results = []
     decoder = json.JSONDecoder()
-    text = proc.stdout
+    text = stdout
     i = text.find("RESULT {")
     while i >= 0:  # launchers may glue ranks' lines together: decode object by object
         obj, end = decoder.raw_decode(text, i + 7)
