@@ -77,6 +77,8 @@ def test_horovod_script_patterns(launcher):
         assert r["predivide_err"] < 1e-6
         assert r["adasum_spread"] == 0.0
         assert r["errors"] == {"duplicate": True, "unnamed": True, "zero_grad_race": True}
+        assert len(r["optimizers"]) >= 10 and all(r["optimizers"].values()), r["optimizers"]
+        assert r["frozen_grad_is_none"]
 
 
 def test_main_job_runs_and_writes_json(tmp_path):

@@ -129,4 +129,34 @@ except AssertionError:
     errors["zero_grad_race"] = True
 opt.step()
 res["errors"] = errors
+
+# 6. Every torch optimizer: wrap, step, broadcast its state, checkpoint round trip.
+opt_ok = {}
+classes = sorted((c.__name__, c) for c in torch.optim.Optimizer.__subclasses__()
+                 if c.__module__.startswith("torch.optim") and c not in (torch.optim.LBFGS, torch.optim.SparseAdam))
+for name, cls in classes:
+    model = fresh()
+    kwargs = {"lr": 0.01}
+    if cls is torch.optim.SGD:
+        kwargs["momentum"] = 0.9
+    named = [(n, p) for n, p in model.named_parameters() if cls.__name__ != "Muon" or p.dim() == 2]  # Muon: 2-D only
+    opt = DistributedOptimizer(cls([p for _, p in named], **kwargs), named_parameters=named,
+                               compression="randomk:ratio=0.5")
+    for i in range(2):
+        opt.zero_grad()
+        F.cross_entropy(model(data(30 + i)[0]), data(30 + i)[1]).backward()
+        opt.step()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    opt_ok[name] = spread(model) == 0.0 and isinstance(opt, cls) and "hvd_ext" in sd
+res["optimizers"] = opt_ok
+
+# 7. A parameter that does not require grad stays without grad (Horovod's no-grad broadcast case).
+frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+live = torch.nn.Parameter(torch.rand(4))
+opt = DistributedOptimizer(torch.optim.SGD([frozen, live], lr=0.001, momentum=0.9, nesterov=True),
+                           named_parameters=[("frozen", frozen), ("live", live)])
+hvd.broadcast_optimizer_state(opt, root_rank=0)
+res["frozen_grad_is_none"] = frozen.grad is None and live.grad is not None
 emit(**res)
