@@ -97,6 +97,8 @@ class GradientPipeline:
         comp, fb = self.compressor, self.feedback
         payloads, items = [], []
         nonfinite = False
+        compensated = []
+        scale = self.exchange.scale()
         for name, p in zip(b.names, b.params):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -107,8 +109,14 @@ class GradientPipeline:
                 nonfinite = True
             info = TensorInfo(name=name, shape=g.shape, step=self.step, rank=self.rank, size=self.size,
                               param=p.detach())
+            info.extra["scale"] = scale  # factor applied to the sum over ranks (feedbacks read it)
             src = g if comp.exchange == "allreduce" else g.float()
-            u = fb.compensate(name, src, info)
+            compensated.append((name, info, fb.compensate(name, src, info)))
+        # Optional hook: budgets spanning the tensors of a bucket (topk scope=model, sig).
+        prepare = getattr(comp, "prepare_bucket", None)
+        if prepare is not None:
+            prepare([(u, info) for _, info, u in compensated])
+        for name, info, u in compensated:
             payload, ctx = comp.compress(u, info)
             payloads.append(payload)
             items.append((name, info, u, payload, ctx))
@@ -163,8 +171,10 @@ class GradientPipeline:
             b.items = []
         if nonfinite:
             fb.discard()
+            comp.discard()
         else:
             fb.commit()
+            comp.commit()
         self.step += 1
         return nonfinite
 

@@ -66,6 +66,14 @@ def test_backward_passes_per_step(checks):
         assert r["exchanges"] == 1
 
 
+def test_buckets_start_during_backward(checks):
+    for r in both(checks, "overlap"):
+        assert r["buckets"] >= 3
+        assert r["started_in_backward"] == r["buckets"]
+        assert r["collectives"] == r["buckets"]  # one fused collective per bucket, not one per tensor
+        assert r["max_err"] == 0.0
+
+
 @pytest.mark.parametrize("launcher", ["mpi", "mpirun"])
 def test_horovod_script_patterns(launcher):
     res = launch("horovod_compat.py", np=2, launcher=launcher, timeout=180)

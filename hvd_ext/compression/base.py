@@ -136,6 +136,12 @@ class Compressor:
         return None
 
     # ---- state (part of the optimizer checkpoint) ------------------------------
+    def commit(self) -> None:
+        """Called after a step whose gradients were finite on every rank: make staged state current."""
+
+    def discard(self) -> None:
+        """Called after a step skipped for a non-finite gradient on some rank: drop staged state."""
+
     def state_dict(self) -> Dict[str, Any]:
         return {}
 
@@ -145,8 +151,9 @@ class Compressor:
     def spec(self) -> str:
         items = [f"{k}={v}" for k, v in self.opts.items() if v != self.options[k].default]
         fb = getattr(self, "feedback", None)
-        if fb is not None and fb.name != self.default_feedback:
-            items.append(f"feedback={fb.name}")
+        if fb is not None:
+            if fb.name != self.default_feedback:
+                items.append(f"feedback={fb.name}")
             items += [f"{k}={v}" for k, v in fb.opts.items() if v != fb.options[k].default]
         return self.name + (":" + ",".join(items) if items else "")
 

@@ -195,7 +195,28 @@ def check_backward_passes():
     return {"max_err": err, "exchanges": opt.stats.exchanges}
 
 
+def check_overlap():
+    """With small buckets, every bucket's collective is started by the backward hooks
+    (before synchronize), and the result still equals the mean gradient."""
+    model, xs, ys = model_and_data()
+    opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), bucket_bytes=256)
+    mine = local_grads(model, xs[0], ys[0])
+    opt.zero_grad()
+    F.cross_entropy(model(xs[0]), ys[0]).backward()
+    buckets = opt._pipeline.buckets
+    started_in_backward = sum(b.pending is not None for b in buckets)
+    opt.synchronize()
+    err = max(float((p.grad - hvd.allgather(mine[n].unsqueeze(0), name=f"check.ov.{n}").mean(0)).abs().max())
+              for n, p in model.named_parameters())
+    with opt.skip_synchronize():
+        opt.step()
+    return {"buckets": len(buckets), "started_in_backward": started_in_backward, "max_err": err,
+            "collectives": opt.exchange.stats.collectives}
+
+
 CHECKS = {
+    "overlap": check_overlap,
     "average_none": lambda: check_average("none"),
     "average_fp16": lambda: check_average(hvd.Compression.fp16),
     "identical_none_adam": lambda: check_identical("none", opt_name="adam"),

@@ -1,0 +1,305 @@
+"""Shared machinery of the sparsification family (topk, threshold, dgc, sig).
+
+Selection (deterministic, ties broken by the lowest index):
+
+* :func:`topk_indices` -- exact top-k of a score (Aji & Heafield 2017; Stich et al. 2018);
+* :func:`sampled_indices` -- DGC-style threshold estimated on a random sample
+  of the score (Lin et al., ICLR 2018), one pass over the tensor plus at most
+  one refinement when the count is far off.
+
+Wire format of one tensor's payload (little endian, one flat ``uint8`` tensor)::
+
+    i32 k | [i32 count per 65536-chunk]  (only in "chunk" format)
+          | k values (fp32, or fp16 when values=fp16)
+          | k indices, ascending: u16 ("u16" format, n <= 65536),
+                                  u16 low 16 bits ("chunk" format, the chunk counts give the high bits),
+                                  i32 ("i32" format, when that is smaller than "chunk")
+
+The format is a function of (n, k) only, so the exact byte count is
+``payload_bytes(n, k, value_bytes)``. Values come before indices so the fp32
+values are 4-byte aligned; the exchange pads every payload to 4 bytes.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .base import Compressor, from_bytes
+
+CHUNK = 1 << 16
+FP16_MAX = 65504.0
+_VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def count_for(ratio: float, numel: int) -> int:
+    """k = ceil(ratio * n), at least 1 for a non-empty tensor, at most n."""
+    return min(numel, max(1, math.ceil(ratio * numel))) if numel else 0
+
+
+# ---- wire format -----------------------------------------------------------------------
+
+def index_format(n: int, k: int) -> str:
+    if n <= CHUNK:
+        return "u16"
+    nchunks = -(-n // CHUNK)
+    return "i32" if 4 * k <= 4 * nchunks + 2 * k else "chunk"
+
+
+def index_bytes(n: int, k: int) -> int:
+    fmt = index_format(n, k)
+    if fmt == "u16":
+        return 2 * k
+    if fmt == "i32":
+        return 4 * k
+    return 4 * (-(-n // CHUNK)) + 2 * k
+
+
+def payload_bytes(n: int, k: int, value_bytes: int) -> int:
+    """Exact size of a payload carrying k of n coordinates."""
+    return 4 + index_bytes(n, k) + k * value_bytes
+
+
+def pack(idx: torch.Tensor, vals: torch.Tensor, n: int, vdtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``idx``: ascending int64 indices (unique); ``vals``: their float values."""
+    k = int(idx.numel())
+    dev = vals.device
+    fmt = index_format(n, k)
+    if vdtype == torch.float16:
+        vals = vals.float().clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+    else:
+        vals = vals.to(torch.float32)
+    parts = [torch.tensor([k], dtype=torch.int32).view(torch.uint8).to(dev)]
+    if fmt == "chunk":
+        nchunks = -(-n // CHUNK)
+        counts = torch.bincount(idx >> 16, minlength=nchunks).to(torch.int32)
+        parts.append(counts.view(torch.uint8))
+    parts.append(vals.contiguous().view(torch.uint8))
+    if fmt == "i32":
+        parts.append(idx.to(torch.int32).view(torch.uint8))
+    elif k:
+        # low 16 bits as uint16: int32 -> keep the low half of every element
+        low = (idx & 0xFFFF).to(torch.int32)
+        low = torch.where(low >= 32768, low - 65536, low).to(torch.int16)
+        parts.append(low.view(torch.uint8))
+    return torch.cat([p.reshape(-1) for p in parts])
+
+
+def unpack(data: torch.Tensor, n: int, vdtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack`: (int64 indices, float32 values). Raises ValueError on a bad payload."""
+    if data.numel() < 4:
+        raise ValueError(f"sparse payload of {data.numel()} bytes is shorter than its 4-byte header")
+    k = int(from_bytes(data, 0, torch.int32, 1)[0].item())
+    vbytes = torch.empty(0, dtype=vdtype).element_size()
+    if not 0 <= k <= n or data.numel() != payload_bytes(n, k, vbytes):
+        raise ValueError(f"sparse payload of {data.numel()} bytes does not hold k={k} of n={n} coordinates "
+                         f"({'-' if not 0 <= k <= n else payload_bytes(n, k, vbytes)} bytes expected)")
+    fmt = index_format(n, k)
+    off = 4
+    counts = None
+    if fmt == "chunk":
+        counts, off = from_bytes(data, off, torch.int32, -(-n // CHUNK))
+    vals, off = from_bytes(data, off, vdtype, k)
+    if fmt == "i32":
+        idx, off = from_bytes(data, off, torch.int32, k)
+        idx = idx.long()
+    else:
+        low, off = from_bytes(data, off, torch.int16, k)
+        idx = low.long() & 0xFFFF
+        if counts is not None:
+            counts = counts.long()
+            if int(counts.sum().item()) != k:
+                raise ValueError("sparse payload: chunk counts do not add up to k")
+            hi = torch.repeat_interleave(torch.arange(counts.numel(), device=data.device), counts)
+            idx = idx + (hi << 16)
+    return idx, vals.float()
+
+
+# ---- selection --------------------------------------------------------------------------
+
+def topk_indices(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending indices of the k largest entries of a flat ``score``.
+
+    Deterministic: among equal scores at the threshold the lowest indices win,
+    so the result equals sorting by (score descending, index ascending)."""
+    n = score.numel()
+    if k >= n:
+        return torch.arange(n, device=score.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long, device=score.device)
+    thr = torch.topk(score, k, sorted=False).values.min()
+    gt = (score > thr).nonzero().squeeze(1)
+    need = k - gt.numel()
+    eq = (score == thr).nonzero().squeeze(1)[:max(need, 0)]
+    if gt.numel() + eq.numel() != k:  # NaN scores: fall back to torch's own choice
+        return torch.topk(score, k).indices.sort().values
+    return torch.cat([gt, eq]).sort().values
+
+
+def generator(seed: int, step: int, name: str, rank: int) -> torch.Generator:
+    """Counter-based generator: the same (seed, step, name, rank) draws the same sample."""
+    g = torch.Generator()
+    key = (seed * 1_000_003 + step) * 1_000_033 + zlib.crc32(name.encode()) * 8191 + rank
+    g.manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
+    return g
+
+
+# Refinement bounds for the sampled threshold: keep the count in [LOW*k, HIGH*k].
+SAMPLED_LOW = 0.5
+SAMPLED_HIGH = 1.3
+_MIN_SAMPLED_HITS = 32  # sample so that about this many sampled entries lie above the threshold
+
+
+def sampled_indices(score: torch.Tensor, k: int, gen: torch.Generator, sample: float = 0.01) -> torch.Tensor:
+    """Ascending indices of about k large entries, by a threshold estimated on a sample (DGC).
+
+    Draws ``max(sample * n, 32 n / k)`` entries (with replacement), takes the
+    threshold that keeps k*s/n of them, and selects ``score >= threshold`` in
+    one pass. One refinement when the count is far off: more than 1.3k ->
+    exact top-k among the candidates (k of them, ties to the lowest index);
+    fewer than k/2 -> a lower threshold from the same sample, trimmed to k if it
+    then overshoots. Falls back to exact top-k when the sample would be at
+    least half the tensor."""
+    n = score.numel()
+    if k >= n or k <= 0:
+        return topk_indices(score, k)
+    s = max(math.ceil(sample * n), math.ceil(_MIN_SAMPLED_HITS * n / k))
+    if 2 * s >= n:
+        return topk_indices(score, k)
+    pos = torch.randint(0, n, (s,), generator=gen).to(score.device)
+    samp = score[pos]
+    ks = max(1, min(s, round(k * s / n)))
+    vals = torch.topk(samp, min(s, 4 * ks), sorted=True).values  # enough to lower the threshold once
+
+    def pick(j: int) -> torch.Tensor:
+        thr = vals[min(j, vals.numel()) - 1]
+        return (score >= thr).nonzero().squeeze(1)
+
+    cand = pick(ks)
+    c = cand.numel()
+    if c < SAMPLED_LOW * k:
+        # lower the threshold in proportion to the shortfall (at most 4x more sampled hits)
+        cand = pick(min(vals.numel(), math.ceil(ks * k / max(c, 1))))
+        c = cand.numel()
+    if c > SAMPLED_HIGH * k:
+        cand = cand[topk_indices(score[cand], k)]
+    return cand
+
+
+def split_budget(total: int, weights: Sequence[float], sizes: Sequence[int]) -> List[int]:
+    """Split ``total`` coordinates over layers in proportion to ``weights``, each at most its size.
+
+    Water-filling: layers whose share exceeds their size are filled and the
+    rest is re-split; the final integer split uses largest remainders (ties to
+    the earlier layer). Non-positive or non-finite total weight -> split by size."""
+    L = len(sizes)
+    alloc = [0] * L
+    w = [float(x) if math.isfinite(float(x)) and float(x) > 0 else 0.0 for x in weights]
+    free = [i for i in range(L) if sizes[i] > 0]
+    rem = min(int(total), sum(int(s) for s in sizes))
+    while rem > 0 and free:
+        wsum = sum(w[i] for i in free)
+        ww = {i: (w[i] if wsum > 0 else float(sizes[i])) for i in free}
+        wsum = sum(ww.values())
+        q = {i: rem * ww[i] / wsum for i in free}
+        capped = [i for i in free if q[i] >= sizes[i] - alloc[i]]
+        if capped:
+            for i in capped:
+                rem -= sizes[i] - alloc[i]
+                alloc[i] = sizes[i]
+            free = [i for i in free if i not in capped]
+            continue
+        fl = {i: int(math.floor(q[i])) for i in free}
+        for i in free:
+            alloc[i] += fl[i]
+        left = rem - sum(fl.values())
+        for i in sorted(free, key=lambda i: (-(q[i] - fl[i]), i))[:left]:
+            alloc[i] += 1
+        rem = 0
+    return alloc
+
+
+# ---- the compressor base ----------------------------------------------------------------------
+
+class SparseCompressor(Compressor):
+    """Base of the index+value sparsifiers: subclasses implement :meth:`select`.
+
+    ``prepare_bucket`` (called by the pipeline with every (u, info) of a bucket
+    before any ``compress``) may plan per-tensor selections for budgets that
+    span layers; ``compress`` uses a planned selection when there is one."""
+
+    exchange = "allgather"
+    default_feedback = "residual"
+    fixed_size = False
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self._plan: Dict[Tuple[str, int], torch.Tensor] = {}
+
+    @property
+    def value_dtype(self) -> torch.dtype:
+        return _VALUE_DTYPES[getattr(self, "values", "fp32")]
+
+    @property
+    def value_bytes(self) -> int:
+        return 2 if self.value_dtype == torch.float16 else 4
+
+    def select(self, flat: torch.Tensor, info) -> torch.Tensor:
+        """Ascending int64 indices of the coordinates of ``flat`` (float32) to send."""
+        raise NotImplementedError
+
+    def _gen(self, info, name: Optional[str] = None) -> torch.Generator:
+        return generator(getattr(self, "seed", 0), info.step, name or info.name, info.rank)
+
+    def compress(self, tensor, info):
+        flat = tensor.reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        idx = self._plan.pop((info.name, info.step), None)
+        if idx is None:
+            idx = self.select(flat, info)
+        info.extra["sparse_indices"] = idx
+        return pack(idx, flat[idx], flat.numel(), self.value_dtype), None
+
+    def decode(self, data, ctx, info):
+        idx, val = unpack(data, info.numel, self.value_dtype)
+        out = torch.zeros(info.numel, dtype=torch.float32, device=data.device)
+        out[idx] = val
+        return out
+
+    def aggregate(self, datas, ctx, info):
+        """Scatter-add every rank's (indices, values) into one dense accumulator, in rank order."""
+        out = torch.zeros(info.numel, dtype=torch.float32, device=datas[0].device if datas else "cpu")
+        for d in datas:
+            idx, val = unpack(d, info.numel, self.value_dtype)
+            out.index_add_(0, idx, val)
+        return out
+
+    def support(self, datas, ctx, info):
+        mask = torch.zeros(info.numel, dtype=torch.bool, device=datas[0].device if datas else "cpu")
+        for d in datas:
+            idx, _ = unpack(d, info.numel, self.value_dtype)
+            mask[idx] = True
+        return mask
+
+    def local_contribution(self, payload, ctx, info, result):
+        return self.decode(payload, ctx, info)
+
+    # ---- budgets spanning the layers of a bucket --------------------------------------------
+    def _plan_global(self, items, scores: List[torch.Tensor], total_k: int, mode: str, sample: float) -> None:
+        """One selection over the concatenated scores of a bucket, split back per tensor."""
+        sizes = [s.numel() for s in scores]
+        cat = torch.cat(scores) if scores else torch.empty(0)
+        if mode == "sampled":
+            info0 = items[0][1]
+            sel = sampled_indices(cat, total_k, self._gen(info0, "bucket:" + info0.name), sample)
+        else:
+            sel = topk_indices(cat, total_k)
+        off = 0
+        for (u, info), n in zip(items, sizes):
+            lo = int(torch.searchsorted(sel, off).item()) if sel.numel() else 0
+            hi = int(torch.searchsorted(sel, off + n).item()) if sel.numel() else 0
+            self._plan[(info.name, info.step)] = sel[lo:hi] - off
+            off += n

@@ -1,0 +1,73 @@
+"""Deep Gradient Compression (Lin, Han, Mao, Wang, Dally, ICLR 2018; GRACE ``dgc``).
+
+All four parts of the paper:
+
+1. **Momentum correction** and 3. **momentum-factor masking** live in the
+   feedback ``dgc_momentum`` (the default and only accepted feedback, see
+   :mod:`hvd_ext.feedback.dgc_momentum`): the velocity u <- m*u + g is
+   accumulated into v <- v + u, v is sparsified, and both u and v are zeroed
+   on the sent coordinates. Use the outer optimizer *without* momentum (the
+   momentum is applied here, before the exchange).
+2. **Local gradient clipping**: ``clip`` (feedback option) clips each
+   tensor's local gradient norm to clip / sqrt(N) before it is accumulated
+   (the paper clips the model's gradient; we clip per tensor).
+4. **Warm-up of sparsity**: the density (fraction sent) decays exponentially
+   from ``start_ratio`` (0.25 = 75% sparsity) to ``ratio`` (0.001 = 99.9%)
+   over the first ``warmup_steps`` exchanges, in ``warmup_stages`` constant
+   stages (the paper: 4 epochs, 75%, 93.75%, 98.4375%, 99.6%, then 99.9%), or
+   continuously with ``warmup_stages=0``. ``info.step`` (identical on every
+   rank) drives it, so all ranks agree.
+
+Selection: threshold estimated on a sample (``mode=sampled``, the paper's
+choice; default) or exact top-k (``mode=exact``), as in ``topk``.
+"""
+from __future__ import annotations
+
+import math
+
+from ..options import Option, fraction, non_negative
+from ._sparse import SparseCompressor, count_for, sampled_indices, topk_indices
+from .base import register
+from .topk import COMMON_OPTIONS
+
+
+@register("dgc")
+class DGCCompressor(SparseCompressor):
+    default_feedback = "dgc_momentum"
+    accepted_feedback = ("dgc_momentum",)
+    options = dict(
+        COMMON_OPTIONS,
+        ratio=Option(float, 0.001, "0 < ratio <= 1", fraction, help="final density (1 - sparsity)"),
+        mode=Option(str, "sampled", choices=("exact", "sampled"), help="sampled threshold or exact top-k"),
+        start_ratio=Option(float, 0.25, "ratio <= start_ratio <= 1 (checked when warmup_steps > 0)", fraction,
+                           help="density at step 0 of the warm-up"),
+        warmup_steps=Option(int, 0, "integer >= 0", non_negative,
+                            help="exchanges over which the density decays to ratio (0 = no warm-up)"),
+        warmup_stages=Option(int, 4, "integer >= 0", non_negative,
+                             help="constant stages of the warm-up (0 = continuous)"),
+    )
+
+    def validate(self):
+        if self.warmup_steps > 0 and self.start_ratio < self.ratio:
+            raise ValueError(f"compressor 'dgc': start_ratio={self.start_ratio} must be >= ratio={self.ratio} "
+                             "(the warm-up only increases sparsity)")
+
+    def density(self, step: int) -> float:
+        """Fraction of coordinates sent at exchange ``step``."""
+        W = self.warmup_steps
+        if W <= 0 or step >= W:
+            return self.ratio
+        frac = step / W
+        if self.warmup_stages > 0:
+            frac = math.floor(frac * self.warmup_stages) / self.warmup_stages
+        return self.start_ratio * (self.ratio / self.start_ratio) ** frac
+
+    def sparsity(self, step: int) -> float:
+        return 1.0 - self.density(step)
+
+    def select(self, flat, info):
+        k = count_for(self.density(info.step), flat.numel())
+        score = flat.abs()
+        if self.mode == "sampled":
+            return sampled_indices(score, k, self._gen(info), self.sample)
+        return topk_indices(score, k)

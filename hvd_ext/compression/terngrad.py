@@ -1,0 +1,55 @@
+"""TernGrad (Wen et al. 2017, "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep Learning").
+
+Per layer scaler ``s = max|g|``; each coordinate becomes ``s * sign(g_i) * b_i``
+with ``b_i ~ Bernoulli(|g_i| / s)``, so ``E[Q(g)] = g`` (unbiased). Optional
+layer-wise gradient clipping (the paper's ``c = 2.5``): ``clip=c > 0`` first
+clips ``|g_i| <= c * std(g)`` (biased, lower variance; 0 = off). Scaler sharing
+across workers (the paper's max over workers) is not done: each rank sends its
+own scaler, so no extra collective is needed.
+
+Ternary value ``t in {-1, 0, 1}`` is sent as the 2-bit code ``t + 1``.
+Wire bytes (allgather, fixed size): ``4 + ceil(2 * n / 8)`` (float32 scaler + codes).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..options import Option, non_negative
+from . import _quant
+from .base import Compressor, as_bytes, from_bytes, register
+from .bitpack import pack_bits, packed_bytes, unpack_bits
+
+
+@register("terngrad")
+class TernGradCompressor(Compressor):
+    exchange = "allgather"
+    options = {
+        "clip": Option(float, 0.0, "clip >= 0 (multiples of the std; 0 = no clipping)", non_negative),
+        "seed": Option(int, 0, "integer >= 0", non_negative),
+    }
+
+    def compress(self, tensor, info):
+        flat = tensor.reshape(-1).float()
+        n = flat.numel()
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8, device=flat.device), None
+        if self.clip > 0 and n > 1:
+            c = self.clip * flat.std()
+            flat = flat.clamp(-c, c)
+        s = flat.abs().max()
+        p = flat.abs() / torch.where(s > 0, s, torch.ones_like(s))
+        g = _quant.generator(self.seed, info.step, info.name, info.rank, flat.device)
+        keep = (_quant.uniform(n, g, flat.device) < p)
+        t = torch.where(keep, torch.sign(flat), torch.zeros_like(flat))
+        codes = (t + 1).to(torch.uint8)
+        return as_bytes(s.reshape(1), pack_bits(codes, 2, check=False)), None
+
+    def decode(self, data, ctx, info):
+        n = info.numel
+        if n == 0:
+            return torch.zeros(0, device=data.device)
+        s, off = from_bytes(data, 0, torch.float32, 1)
+        return (unpack_bits(data[off:], 2, n).float() - 1) * s
+
+    def wire_bytes(self, numel):
+        return (4 + packed_bytes(numel, 2)) if numel else 0

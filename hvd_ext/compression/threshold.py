@@ -1,0 +1,25 @@
+"""Threshold sparsification (Strom 2015, "Scalable distributed DNN training using
+commodity GPU cloud computing"; GRACE ``threshold``).
+
+Sends every coordinate with |u| > tau (u = grad + memory), exact values
+(fp32, or fp16 with ``values=fp16``); the rest stays in the residual memory
+(default ``feedback=residual``). Strom sends +-tau instead of the value; we
+send the value, as GRACE does. The payload size varies with the data (it can
+exceed the dense size when tau is small), so ``wire_bytes`` is None.
+"""
+from __future__ import annotations
+
+from ..options import Option, positive
+from ._sparse import SparseCompressor
+from .base import register
+
+
+@register("threshold")
+class ThresholdCompressor(SparseCompressor):
+    options = {
+        "tau": Option(float, 1e-3, "tau > 0", positive, help="send coordinates with |u| > tau"),
+        "values": Option(str, "fp32", choices=("fp32", "fp16"), help="value precision on the wire"),
+    }
+
+    def select(self, flat, info):
+        return (flat.abs() > self.tau).nonzero().squeeze(1)

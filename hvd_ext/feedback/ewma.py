@@ -1,0 +1,86 @@
+"""Exponential-smoothing compensation for sparsification (thesis technique 4,
+``/work/shared/DESIGN.md``). Usable with any sparsifier: ``topk:ratio=0.01,feedback=ewma``.
+
+Every rank holds the same smoothed estimate S of the aggregated gradient
+(same inputs on every rank: the exchanged result and the support Omega, the
+set of coordinates some rank sent). Per tensor and step, with G the exchanged
+result (``aggregate`` x the exchange's scale sigma; sigma = 1/N for
+``op=Average``, 1 for ``op=Sum``)::
+
+    S_j   <- beta * S_j + (1 - beta) * G_j          j in Omega (S unchanged elsewhere)
+    A_j    = G_j  (j in Omega),   lambda * S_j  (j not in Omega)      applied update
+    r_i   <- u_i - sent_i - c * lambda * S_j * [j not in Omega],   c = 1 / (sigma * N)
+
+Why c: the exchange applies sigma * sum_i sent_i, so the rank-combined memory is
+R = sigma * sum_i r_i and R' = sigma*sum_i g_i + R - sigma*sum_i sent_i - sigma*N*c*lambda*S*[not Omega]
+= sigma*sum_i g_i + R - A + (1 - sigma*N*c)*lambda*S*[not Omega]. With c = 1/(sigma*N)
+the last term vanishes: sum_t A_t + R_T = sum_t sigma*sum_i g_i,t exactly -- the
+prediction is paid back from the memories once, never counted twice. Under
+``op=Average`` (our default) c = 1: *each* worker's residual is reduced by the
+full lambda*S_j (the average of N workers each "sending" lambda*S_j is
+lambda*S_j); under ``op=Sum`` c = 1/N, DESIGN's r_i <- r_i - lambda*S_j/N.
+
+sigma comes from ``info.extra["scale"]`` (set by the pipeline), else 1/N.
+Without a support mask from the compressor, Omega = {G != 0}. ``lambda=0`` is
+exactly residual error feedback. S is part of the state dict.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..options import Option, non_negative, unit_interval
+from .base import Feedback, register
+
+_S = "\x00ewma_S"
+
+
+@register("ewma")
+class EWMAFeedback(Feedback):
+    needs_support = True
+    options = {
+        "beta": Option(float, 0.9, "0 <= beta <= 1", unit_interval, help="smoothing of S on sent coordinates"),
+        "lambda": Option(float, 0.5, "lambda >= 0", non_negative,
+                         help="weight of the prediction lambda*S on coordinates nobody sent (0 = residual)"),
+    }
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.lam = self.opts["lambda"]
+        self._share = {}
+
+    def compensate(self, name, grad, info):
+        mem = self.memory.get(name)
+        return grad if mem is None else grad + mem
+
+    def share_factor(self, info) -> float:
+        """c = 1 / (sigma * N): how much of the prediction each worker's residual pays."""
+        n = max(int(getattr(info, "size", 1)), 1)
+        sigma = float(info.extra.get("scale", 1.0 / n)) if info is not None else 1.0 / n
+        return 1.0 / (sigma * n)
+
+    def adjust(self, name, result, info, support=None):
+        flat = result.reshape(-1)
+        sup = (flat != 0) if support is None else support.reshape(-1).to(flat.device)
+        S = self.memory.get(name + _S)
+        if S is None:
+            S = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+        S_new = torch.where(sup, S * self.beta + flat.float() * (1.0 - self.beta), S)
+        self._pending[name + _S] = S_new
+        if self.lam == 0:
+            self._share.pop(name, None)
+            return result
+        pred = torch.where(sup, torch.zeros_like(S), S * self.lam)
+        self._share[name] = pred * self.share_factor(info)
+        out = torch.where(sup, flat, pred.to(flat.dtype))
+        return out.reshape(result.shape)
+
+    def update(self, name, u, sent, info):
+        r = u - sent
+        share = self._share.pop(name, None)
+        if share is not None:
+            r = r - share.reshape(r.shape).to(r.dtype)
+        self._pending[name] = r.detach()
+
+    def discard(self):
+        super().discard()
+        self._share = {}
