@@ -33,6 +33,24 @@ BIT ORDER CONTRACT (shared with ``hvd_ext/compression/bitpack.py``): a
 little-endian bitstream; code i occupies stream bits [i*bits, (i+1)*bits),
 LSB of the code first; stream bit j is bit (j % 8) of byte j // 8. n codes
 take ceil(n*bits/8) bytes; unused high bits of the last byte are 0.
+``hvd_ext.compression.bitpack`` is the one torch implementation of it:
+``pack_bits_reference`` / ``unpack_bits_reference`` (and so the torch paths of
+``quantize_pack``, ``sign_pack``, ``majority_vote``, ...) delegate there.
+
+Who calls what (wired; CPU tensors keep the compressors' own torch code, bit for bit)
+--------------------------------------------------------------------------------------
+* bit packing (qsgd, qdist, terngrad, natural, onebit, signsgd family):
+  ``pack_bits`` / ``unpack_bits`` / ``sign_pack`` always (dispatch inside);
+* sparse ``aggregate`` (topk, threshold, dgc, sig, randomk): ``sparse_scatter_add`` always;
+* ``mode=sampled`` selection (topk, dgc, sig, incl. bucket-wide budgets):
+  ``select_threshold`` when ``backend(score) == "cuda"``;
+* majority vote (signsgd, signum): ``majority_vote`` on CUDA (tie handling adapted);
+* stochastic rounding (qsgd, qdist, terngrad, int8 ``stochastic=1``): ``quantize_pack``
+  on CUDA, seeded by ``derive_seed(seed, name, rank)`` and the step (the CPU paths keep
+  their ``torch.Generator`` streams, so CPU and GPU draw different random numbers);
+* feedbacks: ``residual_update`` (residual, ewma, dgc_momentum's accumulator) and
+  ``ewma_update`` (ewma's S) on CUDA.
+The CUDA-only paths are gated by ``backend(...)``, so the reference switch covers them.
 
 How a compressor calls these (the payload formats stay the compressors' own)
 ------------------------------------------------------------------------------
@@ -85,6 +103,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+# the torch bit-packing implementation (absolute import: this file is also loaded standalone by tests)
+from hvd_ext.compression import bitpack as _bitpack
+
 __all__ = [
     "use_reference", "backend", "kernel_dir", "derive_seed", "stream_key", "hash_u32", "uniform",
     "select_threshold", "select_threshold_reference",
@@ -126,11 +147,20 @@ def _get_cupy():
     return _cupy
 
 
+def _on_gpu(t) -> bool:
+    """The device predicate of :func:`backend` (one place, so tests can stand in for a GPU)."""
+    return isinstance(t, torch.Tensor) and t.is_cuda
+
+
 def backend(*tensors: torch.Tensor) -> str:
-    """``"cuda"`` when the kernels would run for these tensors, else ``"reference"``."""
+    """``"cuda"`` when the kernels would run for these tensors, else ``"reference"``.
+
+    Compressors and feedbacks ask this before taking a CUDA-only code path (one whose
+    torch counterpart is their own CPU code), so ``use_reference(True)`` /
+    ``HVD_EXT_KERNELS=reference`` forces the torch path there too."""
     if _force_reference or not tensors:
         return "reference"
-    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
+    if not all(_on_gpu(t) for t in tensors):
         return "reference"
     return "cuda" if _get_cupy() is not None else "reference"
 
@@ -296,44 +326,15 @@ def packed_nbytes(n: int, bits: int) -> int:
 
 
 def pack_bits_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    bits = _check_bits(bits)
-    c = codes.reshape(-1)
-    n = c.numel()
-    nbytes = packed_nbytes(n, bits)
-    if bits == 8:
-        return c.to(torch.uint8).clone()
-    c = c.to(torch.int64) & ((1 << bits) - 1)
-    groups = (n + 7) // 8
-    if groups * 8 != n:
-        c = torch.cat([c, c.new_zeros(groups * 8 - n)])
-    c = c.view(groups, 8)
-    shifts = torch.arange(8, device=c.device, dtype=torch.int64) * bits
-    word = (c << shifts).sum(dim=1)                           # < 2^56, no overflow
-    bshift = torch.arange(bits, device=c.device, dtype=torch.int64) * 8
-    out = ((word[:, None] >> bshift) & 0xFF).to(torch.uint8).reshape(-1)
-    return out[:nbytes].contiguous()
+    """Torch path of :func:`pack_bits`: ``hvd_ext.compression.bitpack.pack_bits`` (the one torch
+    implementation of the BIT ORDER CONTRACT), without the range check; only the low ``bits``
+    bits of each integer code are used, as in the kernel."""
+    return _bitpack.pack_bits(codes, _check_bits(bits), check=False)
 
 
 def unpack_bits_reference(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    bits = _check_bits(bits)
-    n = int(n)
-    nbytes = packed_nbytes(n, bits)
-    d = data.reshape(-1)
-    if d.numel() < nbytes:
-        raise ValueError(f"unpack_bits: need {nbytes} bytes for {n} codes of {bits} bits, got {d.numel()}")
-    d = d[:nbytes]
-    if bits == 8:
-        return d.to(torch.uint8).clone()
-    groups = (n + 7) // 8
-    d = d.to(torch.int64)
-    if groups * bits != nbytes:
-        d = torch.cat([d, d.new_zeros(groups * bits - nbytes)])
-    d = d.view(groups, bits)
-    bshift = torch.arange(bits, device=d.device, dtype=torch.int64) * 8
-    word = (d << bshift).sum(dim=1)
-    shifts = torch.arange(8, device=d.device, dtype=torch.int64) * bits
-    codes = (word[:, None] >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(-1)[:n].to(torch.uint8)
+    """Torch path of :func:`unpack_bits`: ``hvd_ext.compression.bitpack.unpack_bits``."""
+    return _bitpack.unpack_bits(data, _check_bits(bits), int(n))
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:

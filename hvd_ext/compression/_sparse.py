@@ -18,6 +18,20 @@ Wire format of one tensor's payload (little endian, one flat ``uint8`` tensor)::
 The format is a function of (n, k) only, so the exact byte count is
 ``payload_bytes(n, k, value_bytes)``. Values come before indices so the fp32
 values are 4-byte aligned; the exchange pads every payload to 4 bytes.
+
+GPU kernels (``hvd_ext.kernels``; the torch code here runs on CPU, or when
+``HVD_EXT_KERNELS=reference`` / ``kernels.use_reference(True)``):
+
+* ``aggregate`` always goes through ``kernels.sparse_scatter_add`` (one launch
+  for all ranks on CUDA; its torch path is the same ``index_add_`` per rank);
+* ``mode=sampled`` selection on a CUDA float32 score uses
+  ``kernels.select_threshold`` (sampled threshold, histogram refinement and a
+  block-scan compaction: no sort, no top-k of the tensor), seeded by
+  ``derive_seed(seed, name, rank) ^ step``, then trimmed to the exact top-k of
+  the selected when it holds more than 1.3k, so the [k/2, 1.3k] count of the
+  torch path holds on both. The torch path draws its sample with a
+  ``torch.Generator``, the kernel with a counter hash: CPU and GPU select by
+  the same rule but not the same sample.
 """
 from __future__ import annotations
 
@@ -27,6 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import kernels as _K
 from .base import Compressor, from_bytes
 
 CHUNK = 1 << 16
@@ -253,6 +268,21 @@ class SparseCompressor(Compressor):
     def _gen(self, info, name: Optional[str] = None) -> torch.Generator:
         return generator(getattr(self, "seed", 0), info.step, name or info.name, info.rank)
 
+    def _sampled(self, score: torch.Tensor, k: int, info, name: Optional[str] = None,
+                 sample: Optional[float] = None) -> torch.Tensor:
+        """``mode=sampled`` selection: :func:`sampled_indices` (torch), or ``kernels.select_threshold``
+        when the kernels run for ``score`` (a CUDA float32 tensor, CuPy present, not forced off)."""
+        sample = getattr(self, "sample", 0.01) if sample is None else sample
+        n = score.numel()
+        if (0 < k < n < 2 ** 31 and score.dtype == torch.float32 and _K.backend(score) == "cuda"):
+            seed = _K.derive_seed(getattr(self, "seed", 0), name or info.name, info.rank) ^ (int(info.step) & 0xFFFFFFFF)
+            idx, _ = _K.select_threshold(score, k, sample_ratio=sample, seed=seed)
+            cand = idx.long()
+            if cand.numel() > SAMPLED_HIGH * k:      # the kernel allows 2k; keep the torch path's bound
+                cand = cand[topk_indices(score.reshape(-1)[cand], k)]
+            return cand
+        return sampled_indices(score, k, self._gen(info, name), sample)
+
     def compress(self, tensor, info):
         flat = tensor.reshape(-1)
         if flat.dtype != torch.float32:
@@ -272,10 +302,13 @@ class SparseCompressor(Compressor):
     def aggregate(self, datas, ctx, info):
         """Scatter-add every rank's (indices, values) into one dense accumulator, in rank order."""
         out = torch.zeros(info.numel, dtype=torch.float32, device=datas[0].device if datas else "cpu")
+        idxs, vals = [], []
         for d in datas:
             idx, val = unpack(d, info.numel, self.value_dtype)
-            out.index_add_(0, idx, val)
-        return out
+            idxs.append(idx)
+            vals.append(val)
+        # CUDA: one scatter-add launch for all ranks (float atomics); else index_add_ per rank in order
+        return _K.sparse_scatter_add(out, idxs, vals, 1.0)
 
     def support(self, datas, ctx, info):
         mask = torch.zeros(info.numel, dtype=torch.bool, device=datas[0].device if datas else "cpu")
@@ -294,7 +327,7 @@ class SparseCompressor(Compressor):
         cat = torch.cat(scores) if scores else torch.empty(0)
         if mode == "sampled":
             info0 = items[0][1]
-            sel = sampled_indices(cat, total_k, self._gen(info0, "bucket:" + info0.name), sample)
+            sel = self._sampled(cat, total_k, info0, "bucket:" + info0.name, sample)
         else:
             sel = topk_indices(cat, total_k)
         off = 0

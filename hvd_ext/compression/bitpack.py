@@ -1,4 +1,9 @@
-"""Dense b-bit packing of integer codes into bytes (torch reference implementation).
+"""Dense b-bit packing of integer codes into bytes: THE torch reference implementation.
+
+This module is the single torch implementation of the bit-packing contract;
+``hvd_ext.kernels.pack_bits_reference`` / ``unpack_bits_reference`` delegate
+here, and ``hvd_ext.kernels.pack_bits`` / ``unpack_bits`` (which compressors
+call) run the CUDA kernel for CUDA ``uint8`` tensors and this code otherwise.
 
 ``pack_bits(codes, bits)`` turns ``n`` codes (``uint8``, each ``< 2**bits``,
 ``bits`` in 1..8) into exactly ``ceil(n * bits / 8)`` bytes;
@@ -39,7 +44,10 @@ def packed_bytes(n: int, bits: int) -> int:
 
 
 def pack_bits(codes: torch.Tensor, bits: int, check: bool = True) -> torch.Tensor:
-    """Pack integer codes (< 2**bits) densely into a flat ``uint8`` tensor of ceil(n*bits/8) bytes."""
+    """Pack integer codes (< 2**bits) densely into a flat ``uint8`` tensor of ceil(n*bits/8) bytes.
+
+    ``check=True`` raises ValueError for codes outside [0, 2**bits); ``check=False`` skips the
+    check (no device->host sync) and uses the low ``bits`` bits of each code."""
     _check_bits(bits)
     if not isinstance(codes, torch.Tensor):
         raise ValueError(f"codes must be a torch.Tensor, got {type(codes).__name__}")
@@ -53,7 +61,9 @@ def pack_bits(codes: torch.Tensor, bits: int, check: bool = True) -> torch.Tenso
         return flat.to(torch.uint8).clone()
     groups = (n + 7) // 8
     c = torch.zeros(groups * 8, dtype=torch.int64, device=flat.device)
-    c[:n] = flat.to(torch.int64)
+    # only the low ``bits`` bits of a code are used (as in the CUDA kernel); a no-op for codes
+    # in range, and with check=False an out-of-range code cannot spill into its neighbours
+    c[:n] = flat.to(torch.int64) & ((1 << bits) - 1)
     c = c.view(groups, 8)
     shifts = torch.arange(8, device=flat.device, dtype=torch.int64) * bits
     word = (c << shifts).sum(dim=1)  # disjoint bit fields: sum == bitwise or

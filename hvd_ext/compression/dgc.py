@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 from ..options import Option, fraction, non_negative
-from ._sparse import SparseCompressor, count_for, sampled_indices, topk_indices
+from ._sparse import SparseCompressor, count_for, topk_indices
 from .base import register
 from .topk import COMMON_OPTIONS
 
@@ -69,5 +69,5 @@ class DGCCompressor(SparseCompressor):
         k = count_for(self.density(info.step), flat.numel())
         score = flat.abs()
         if self.mode == "sampled":
-            return sampled_indices(score, k, self._gen(info), self.sample)
+            return self._sampled(score, k, info)
         return topk_indices(score, k)

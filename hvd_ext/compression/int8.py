@@ -7,11 +7,17 @@ chunk sends its float32 min and max and one byte per element
 stochastically instead (unbiased). A chunk with max == min decodes exactly.
 
 Wire bytes (allgather, fixed size): ``8 * ceil(n / chunk) + n``.
+
+Kernels: with ``stochastic=1`` on CUDA (``hvd_ext.kernels`` not forced off) the
+rounding is ``kernels.quantize_pack`` onto the levels 0..255 (bits=8: the codes
+are the bytes; same unbiased rule), seeded by ``derive_seed(seed, name, rank)``
+and the step; the CPU path keeps its ``torch.Generator`` stream.
 """
 from __future__ import annotations
 
 import torch
 
+from .. import kernels as _K
 from ..options import Option, non_negative
 from . import _quant
 from .base import Compressor, as_bytes, from_bytes, register
@@ -37,6 +43,11 @@ class Int8Compressor(Compressor):
         width = hi - lo
         scale = torch.where(width > 0, 255.0 / width, torch.zeros_like(width))
         r = ((v - lo) * scale).reshape(-1)[:n]
+        if self.stochastic and _K.backend(flat) == "cuda":
+            levels = torch.arange(256, dtype=torch.float32, device=flat.device)
+            codes = _K.quantize_pack(r, levels, 1.0, 8,
+                                     seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
+            return as_bytes(torch.cat([lo, hi], dim=1).reshape(-1).contiguous(), codes), None
         if self.stochastic:
             g = _quant.generator(self.seed, info.step, info.name, info.rank, flat.device)
             r = (r + _quant.uniform(n, g, flat.device)).floor()

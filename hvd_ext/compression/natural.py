@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels as _K
 from ..options import Option, non_negative
 from . import _quant
 from .base import Compressor, register
-from .bitpack import pack_bits, packed_bytes, unpack_bits
+from .bitpack import packed_bytes
 
 _MANT = 1 << 23
 
@@ -45,14 +46,14 @@ class NaturalCompressor(Compressor):
         exp = exp + up.long()
         exp = torch.where(sub, up.long() & (mant > 0).long(), exp)
         exp = exp.clamp(max=255)
-        return torch.cat([pack_bits(sign, 1, check=False), exp.to(torch.uint8)]), None
+        return torch.cat([_K.pack_bits(sign, 1), exp.to(torch.uint8)]), None
 
     def decode(self, data, ctx, info):
         n = info.numel
         if n == 0:
             return torch.zeros(0, device=data.device)
         nb = packed_bytes(n, 1)
-        sign = unpack_bits(data[:nb], 1, n).to(torch.int64)
+        sign = _K.unpack_bits(data[:nb], 1, n).to(torch.int64)
         exp = data[nb:nb + n].to(torch.int64)
         bits = (sign << 31) | (exp << 23)
         bits = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)

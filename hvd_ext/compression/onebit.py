@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels as _K
 from .base import Compressor, as_bytes, from_bytes, register
-from .bitpack import pack_bits, packed_bytes, unpack_bits
+from .bitpack import packed_bytes
 
 
 @register("onebit")
@@ -34,14 +35,15 @@ class OneBitCompressor(Compressor):
         vpos = sp / npos.clamp(min=1)
         vneg = sn / (n - npos).clamp(min=1)
         vals = torch.stack([vneg, vpos]).float()
-        return as_bytes(vals, pack_bits(pos.to(torch.uint8), 1, check=False)), None
+        # kernels.sign_pack: bit 1 iff flat >= 0, i.e. exactly ``pos`` (kernel on CUDA, bitpack else)
+        return as_bytes(vals, _K.sign_pack(flat)), None
 
     def decode(self, data, ctx, info):
         n = info.numel
         if n == 0:
             return torch.zeros(0, device=data.device)
         vals, off = from_bytes(data, 0, torch.float32, 2)
-        bits = unpack_bits(data[off:], 1, n).long()
+        bits = _K.unpack_bits(data[off:], 1, n).long()
         return vals[bits]
 
     def wire_bytes(self, numel):

@@ -37,6 +37,14 @@ Payload of one layer (allgather; header then codes):
   empirical: ``u8 b | u8 dist | u16 0 | 2^b x f32 levels`` then codes:
       wire bytes = ``4 + 4 * 2^b + ceil(n * b / 8)``
 (n = 0: no bytes.)  Randomness: generator seeded by (seed, step, crc32(name), rank).
+
+Kernels (``hvd_ext.kernels``): codes go through ``kernels.pack_bits`` /
+``unpack_bits``. On CUDA (kernels not forced off) step 3 is one
+``kernels.quantize_pack`` pass of z onto the same levels (round up with
+probability (z - a)/(b - a), the same unbiased rule), its random numbers a
+counter hash seeded by ``derive_seed(seed, name, rank)`` and the step; the CPU
+path keeps its ``torch.Generator`` stream. (NaN inputs: code 0 on CUDA, 2^b - 2
+on CPU; such steps are skipped anyway.)
 """
 from __future__ import annotations
 
@@ -47,10 +55,11 @@ from typing import Dict, Tuple
 
 import torch
 
+from .. import kernels as _K
 from ..options import Option, non_negative
 from . import _quant
 from .base import Compressor, as_bytes, from_bytes, register
-from .bitpack import pack_bits, packed_bytes, unpack_bits
+from .bitpack import packed_bytes
 
 DISTS = ("gaussian", "laplace", "empirical")
 _GRID = 16  # T = 2 ** (k / _GRID)
@@ -290,8 +299,12 @@ class QDistCompressor(Compressor):
             head = as_bytes(torch.tensor([b, DISTS.index(dist)], dtype=torch.uint8, device=dev),
                             torch.tensor([k], dtype=torch.int16, device=dev),
                             torch.tensor([mu, sig_out], dtype=torch.float32, device=dev))
-        codes = self._round(z, levels, info)
-        return torch.cat([head, pack_bits(codes, b, check=False)]), None
+        if _K.backend(z) == "cuda":
+            packed = _K.quantize_pack(z, levels, 1.0, b,
+                                      seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
+        else:
+            packed = _K.pack_bits(self._round(z, levels, info), b)
+        return torch.cat([head, packed]), None
 
     def _empirical_levels(self, flat, K):
         n = flat.numel()
@@ -325,11 +338,11 @@ class QDistCompressor(Compressor):
         dist = DISTS[dcode]
         if dist == "empirical":
             levels, off = from_bytes(data, 4, torch.float32, K)
-            return levels[unpack_bits(data[off:], b, n).long()]
+            return levels[_K.unpack_bits(data[off:], b, n).long()]
         k = int(from_bytes(data, 2, torch.int16, 1)[0][0]) & 0xFFFF
         musig, off = from_bytes(data, 4, torch.float32, 2)
         mu, sigma = musig[0], musig[1]
-        codes = unpack_bits(data[off:], b, n).long()
+        codes = _K.unpack_bits(data[off:], b, n).long()
         if float(sigma) == 0 or not math.isfinite(float(sigma)):
             return (mu + sigma * torch.zeros(n, device=data.device)).expand(n).clone()
         levels = level_table(dist, b, k)[0].to(data.device)

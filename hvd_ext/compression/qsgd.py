@@ -12,6 +12,13 @@ The signed level ``l_i + s`` in ``[0, 2s]`` is sent as a b-bit code,
 Wire bytes (exchanged by allgather, fixed size):
 ``4 * ceil(n / bucket) + ceil(n * b / 8)`` (one float32 norm per bucket,
 then the packed codes; ``bucket=0``: one norm).
+
+Kernels (``hvd_ext.kernels``): codes are packed / unpacked by ``kernels.pack_bits``
+/ ``unpack_bits``. On CUDA (kernels not forced off) the rounding and packing are
+one ``kernels.quantize_pack`` pass over the signed level ``+-s|v_i|/norm`` with
+the integer levels ``-s..s`` (the same unbiased rule, code = level + s), its
+random numbers a counter hash seeded by ``derive_seed(seed, name, rank)`` and
+the step; the CPU path keeps its ``torch.Generator`` stream.
 """
 from __future__ import annotations
 
@@ -19,10 +26,11 @@ import math
 
 import torch
 
+from .. import kernels as _K
 from ..options import Option, non_negative
 from . import _quant
 from .base import Compressor, as_bytes, from_bytes, register
-from .bitpack import pack_bits, packed_bytes, unpack_bits
+from .bitpack import packed_bytes
 
 
 @register("qsgd")
@@ -66,13 +74,18 @@ class QSGDCompressor(Compressor):
             norms = v.abs().amax(dim=1, keepdim=True)
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
         r = (v.abs() / safe * self.s).reshape(-1)[:n]
+        if _K.backend(flat) == "cuda":
+            levels = torch.arange(-self.s, self.s + 1, dtype=torch.float32, device=flat.device)
+            packed = _K.quantize_pack(torch.where(flat < 0, -r, r), levels, 1.0, self.b,
+                                      seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
+            return as_bytes(norms.reshape(-1).contiguous(), packed), None
         g = _quant.generator(self.seed, info.step, info.name, info.rank, flat.device)
         lo = r.floor()
         lvl = lo + (_quant.uniform(n, g, flat.device) < (r - lo)).float()
         lvl = lvl.clamp_(max=self.s)
         signed = torch.where(flat < 0, -lvl, lvl) + self.s
         codes = signed.to(torch.uint8)
-        return as_bytes(norms.reshape(-1).contiguous(), pack_bits(codes, self.b, check=False)), None
+        return as_bytes(norms.reshape(-1).contiguous(), _K.pack_bits(codes, self.b)), None
 
     def decode(self, data, ctx, info):
         n = info.numel
@@ -80,7 +93,7 @@ class QSGDCompressor(Compressor):
             return torch.zeros(0, device=data.device)
         k = _quant.chunks(n, self.bucket)
         norms, off = from_bytes(data, 0, torch.float32, k)
-        codes = unpack_bits(data[off:], self.b, n).float() - self.s
+        codes = _K.unpack_bits(data[off:], self.b, n).float() - self.s
         c = self.bucket if self.bucket > 0 else n
         scale = norms.repeat_interleave(c)[:n] if k > 1 else norms.expand(n)
         return codes * (scale / self.s)

@@ -18,6 +18,7 @@ import zlib
 
 import torch
 
+from .. import kernels as _K
 from ..options import Option, fraction, non_negative
 from .base import Compressor, as_bytes, from_bytes, register
 
@@ -83,11 +84,10 @@ class RandomKCompressor(Compressor):
         return out
 
     def aggregate(self, datas, ctx, info):
+        # CUDA: one kernels.sparse_scatter_add launch for all ranks; else index_add_ per rank in order
         out = torch.zeros(info.numel, dtype=torch.float32, device=datas[0].device)
-        for d in datas:
-            idx, val = self._split(d)
-            out.index_add_(0, idx, val)
-        return out
+        pairs = [self._split(d) for d in datas]
+        return _K.sparse_scatter_add(out, [i for i, _ in pairs], [v for _, v in pairs], 1.0)
 
     def local_contribution(self, payload, ctx, info, result):
         if self.shared:

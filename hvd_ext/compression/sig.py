@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..options import Option, non_negative, positive
-from ._sparse import SparseCompressor, count_for, sampled_indices, split_budget, topk_indices
+from ._sparse import SparseCompressor, count_for, split_budget, topk_indices
 from .base import register
 from .topk import COMMON_OPTIONS
 
@@ -55,7 +55,7 @@ class SignificanceCompressor(SparseCompressor):
 
     def _select_k(self, score, k, info):
         if self.mode == "sampled":
-            return sampled_indices(score, k, self._gen(info), self.sample)
+            return self._sampled(score, k, info)
         return topk_indices(score, k)
 
     def select(self, flat, info):

@@ -9,21 +9,44 @@ update is ``sign(sum_r sign_r)`` (0 on ties). ``aggregate`` returns
 No error feedback by default (the paper has none); with momentum use ``signum``.
 
 Wire bytes (allgather, fixed size): ``ceil(n / 8)``.
+
+Kernels (``hvd_ext.kernels``): the bits are made by ``kernels.sign_pack`` (same
+convention: bit 1 iff ``x >= 0``, NaN -> 0) and read by ``kernels.unpack_bits``;
+on CUDA the vote is ``kernels.majority_vote`` (tie -> +1 there, so for an even
+number of ranks the vote of the complemented bits is subtracted to get this
+module's tie -> 0 exactly). CPU / forced reference: the torch code below.
 """
 from __future__ import annotations
 
 import torch
 
+from .. import kernels as _K
 from .base import Compressor, register
-from .bitpack import pack_bits, packed_bytes, unpack_bits
+from .bitpack import packed_bytes
 
 
 def sign_bits(flat: torch.Tensor) -> torch.Tensor:
-    return pack_bits((flat >= 0).to(torch.uint8), 1, check=False)
+    """ceil(n/8) bytes, bit 1 where ``flat >= 0`` (kernel on CUDA float32, else bitpack)."""
+    return _K.sign_pack(flat)
 
 
 def bits_to_sign(data: torch.Tensor, n: int) -> torch.Tensor:
-    return unpack_bits(data, 1, n).float() * 2 - 1
+    return _K.unpack_bits(data, 1, n).float() * 2 - 1
+
+
+def vote_sum(datas, n: int) -> torch.Tensor:
+    """``sign(sum_r (2 bit_r - 1)) * N`` (0 on ties), float32, from N ``sign_bits`` payloads."""
+    N = len(datas)
+    if N and all(d.dtype == torch.uint8 for d in datas) and _K.backend(*datas) == "cuda":
+        mv = _K.majority_vote(datas, n)                 # +1 where 2*ones >= N, else -1
+        if N % 2 == 0:                                   # ties possible: make them 0
+            mv = mv.sub_(_K.majority_vote([torch.bitwise_not(d) for d in datas], n)).mul_(0.5)
+        return mv.mul_(N)
+    votes = None
+    for d in datas:
+        s = bits_to_sign(d, n)
+        votes = s if votes is None else votes.add_(s)
+    return torch.sign(votes).mul_(N)
 
 
 class MajorityVote(Compressor):
@@ -41,11 +64,7 @@ class MajorityVote(Compressor):
         return bits_to_sign(data, info.numel)
 
     def aggregate(self, datas, ctx, info):
-        votes = None
-        for d in datas:
-            s = bits_to_sign(d, info.numel)
-            votes = s if votes is None else votes.add_(s)
-        return torch.sign(votes).mul_(len(datas))
+        return vote_sum(datas, info.numel)
 
     def wire_bytes(self, numel):
         return packed_bytes(numel, 1)

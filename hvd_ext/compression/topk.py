@@ -26,7 +26,7 @@ indices per 65536-chunk or int32). ``mode=exact,scope=layer`` has a fixed size,
 from __future__ import annotations
 
 from ..options import Option, fraction, non_negative
-from ._sparse import SparseCompressor, count_for, payload_bytes, sampled_indices, topk_indices
+from ._sparse import SparseCompressor, count_for, payload_bytes, topk_indices
 from .base import register
 
 COMMON_OPTIONS = {
@@ -50,7 +50,7 @@ class TopKCompressor(SparseCompressor):
 
     def select_k(self, score, k, info):
         if self.mode == "sampled":
-            return sampled_indices(score, k, self._gen(info), self.sample)
+            return self._sampled(score, k, info)
         return topk_indices(score, k)
 
     def select(self, flat, info):

@@ -21,6 +21,7 @@ import torch
 
 from ..options import Option, non_negative
 from .base import Feedback, register
+from .residual import residual_of
 
 _U = "\x00dgc_u"
 _V = "\x00dgc_v"
@@ -62,7 +63,7 @@ class DGCMomentumFeedback(Feedback):
     def update(self, name, u, sent, info):
         # ``u`` here is what compensate returned: the accumulated velocity v.
         mask = sent_mask(sent, info).reshape(u.shape)
-        self._pending[name + _V] = (u - sent).detach()
+        self._pending[name + _V] = residual_of(u, sent)     # fused kernel on CUDA
         mom = self._pending.get(name + _U)
         if mom is not None:
             self._pending[name + _U] = mom.masked_fill(mask, 0.0)

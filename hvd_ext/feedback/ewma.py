@@ -23,13 +23,20 @@ lambda*S_j); under ``op=Sum`` c = 1/N, DESIGN's r_i <- r_i - lambda*S_j/N.
 sigma comes from ``info.extra["scale"]`` (set by the pipeline), else 1/N.
 Without a support mask from the compressor, Omega = {G != 0}. ``lambda=0`` is
 exactly residual error feedback. S is part of the state dict.
+
+Kernels: on CUDA (``hvd_ext.kernels`` present and not forced off) the S update
+is ``kernels.ewma_update`` (one fused masked pass; beta and 1-beta rounded to
+float32 and the products rounded separately, as torch does) and ``u - sent`` is
+``kernels.residual_update``; elsewhere the torch code below.
 """
 from __future__ import annotations
 
 import torch
 
+from .. import kernels as _K
 from ..options import Option, non_negative, unit_interval
 from .base import Feedback, register
+from .residual import residual_of
 
 _S = "\x00ewma_S"
 
@@ -64,7 +71,11 @@ class EWMAFeedback(Feedback):
         S = self.memory.get(name + _S)
         if S is None:
             S = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-        S_new = torch.where(sup, S * self.beta + flat.float() * (1.0 - self.beta), S)
+        if S.dtype == torch.float32 and _K.backend(S, flat, sup) == "cuda":
+            S_new = S.clone(memory_format=torch.contiguous_format)
+            _K.ewma_update(S_new, flat.float(), sup, self.beta)
+        else:
+            S_new = torch.where(sup, S * self.beta + flat.float() * (1.0 - self.beta), S)
         self._pending[name + _S] = S_new
         if self.lam == 0:
             self._share.pop(name, None)
@@ -75,7 +86,7 @@ class EWMAFeedback(Feedback):
         return out.reshape(result.shape)
 
     def update(self, name, u, sent, info):
-        r = u - sent
+        r = residual_of(u, sent)
         share = self._share.pop(name, None)
         if share is not None:
             r = r - share.reshape(r.shape).to(r.dtype)
