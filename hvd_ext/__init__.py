@@ -7,5 +7,7 @@ from .compression import compression_from_spec, describe_compressors, list_compr
 from .compression.base import Compressor, Continue, TensorInfo  # noqa: F401
 from .feedback import Feedback  # noqa: F401
 from .optimizer import DistributedOptimizer  # noqa: F401
+from .sync import (AdaptiveSync, EventTriggeredSGD, LocalSGD, ParameterServer,  # noqa: F401
+                   sync_from_spec)
 
 __version__ = "0.1.0"

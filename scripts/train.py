@@ -30,7 +30,8 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.2, help="peak learning rate (one-cycle schedule)")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum", type=float, default=None,
+                   help="SGD momentum (default 0.9; 0 for dgc, whose momentum lives in its feedback)")
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--channels", type=int, default=64, help="CNN width")
     p.add_argument("--seed", type=int, default=0)
@@ -39,12 +40,28 @@ def parse_args(argv=None):
     p.add_argument("--log", default=None, help="per-step JSON-lines stats log (suffix .rankN added)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--sync", default="every",
+                   help="sync strategy spec: every | local:period=8[,warmup=T] | adaptive:min=1,max=32 | "
+                        "event:sigma=..,tau_min=..,tau_max=..,staleness=loss|inverse|none,gamma=.. "
+                        "(event needs the MPI controller: horovodrun --mpi or mpirun)")
+    p.add_argument("--slow-rank", type=int, default=-1, help="make this rank slower (see --slow-factor)")
+    p.add_argument("--slow-factor", type=float, default=1.0, help="the slow rank's compute takes this many times longer")
+    p.add_argument("--checkpoint", default=None, help="checkpoint file (model, optimizer, sync and server state)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save the checkpoint every N steps (0: at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    p.add_argument("--crash-at-step", type=int, default=0, help=argparse.SUPPRESS)  # tests: simulate a kill
     args = p.parse_args(argv)
     for name in ("epochs", "batch", "channels", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if not args.lr > 0:
         p.error(f"--lr must be > 0, got {args.lr}")
+    if not args.slow_factor >= 1.0:
+        p.error(f"--slow-factor must be >= 1, got {args.slow_factor}")
+    if args.checkpoint_every < 0:
+        p.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if (args.checkpoint_every or args.resume) and not args.checkpoint:
+        p.error("--checkpoint-every/--resume need --checkpoint PATH")
     return args
 
 
@@ -57,8 +74,18 @@ def main(argv=None):
 
     # Validate the spec before any collective: a bad spec fails on every rank alike.
     compressor = hvd_ext.compression_from_spec(args.compression)
+    sync_factory = hvd_ext.sync_from_spec(args.sync)
 
-    hvd.init()
+    if sync_factory.needs_mpi:
+        # One-sided parameter server: share one MPI world between mpi4py and Horovod.
+        from hvd_ext.sync import require_mpi_controller
+
+        require_mpi_controller(f"--sync {args.sync}")
+        from mpi4py import MPI
+
+        hvd.init(comm=MPI.COMM_WORLD)
+    else:
+        hvd.init()
     torch.set_num_threads(args.threads)
     rank, size = hvd.rank(), hvd.size()
 
@@ -68,6 +95,8 @@ def main(argv=None):
     hvd.barrier()
     x_train, y_train, x_test, y_test = load_mnist1d()
 
+    if args.momentum is None:
+        args.momentum = 0.0 if compressor.name == "dgc" else 0.9
     torch.manual_seed(args.seed)
     model = MNIST1DCNN(args.channels)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
@@ -77,10 +106,14 @@ def main(argv=None):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     opt.stats.reset()
+    sync = sync_factory(opt, model)
 
     steps_per_epoch = len(x_train) // (args.batch * size)
     total_steps = steps_per_epoch * args.epochs
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=total_steps)
+    # Cycle momentum only where the optimizer has some: with momentum 0 (dgc) OneCycleLR
+    # would otherwise switch SGD momentum on (0.85-0.95) on top of the compressor's.
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=total_steps,
+                                                cycle_momentum=args.momentum > 0)
     dense_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
 
     bar = None
@@ -97,17 +130,38 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed)  # same permutation on every rank
     train_time = 0.0
     loss_val = float("nan")
+    start_step = 0
+    if args.resume and args.checkpoint and os.path.exists(args.checkpoint):
+        start_step, history, train_time = _load_checkpoint(args.checkpoint, hvd, model, opt, sched, sync)
+        if bar is not None:
+            bar.update(start_step)
+    slow = rank == args.slow_rank and args.slow_factor > 1.0
+    step_no = 0
     for epoch in range(args.epochs):
         perm = torch.randperm(len(x_train), generator=gen)
+        if (epoch + 1) * steps_per_epoch <= start_step:
+            continue  # finished before the checkpoint (the permutation is still drawn: same data order)
         t_epoch = time.perf_counter()
         for i in range(steps_per_epoch):
+            step_no = epoch * steps_per_epoch + i
+            if step_no < start_step:
+                continue
             idx = perm[(i * size + rank) * args.batch:(i * size + rank + 1) * args.batch]
+            t_compute = time.perf_counter()
             opt.zero_grad()
             loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
-            opt.step()
+            if slow:
+                time.sleep((args.slow_factor - 1.0) * (time.perf_counter() - t_compute))
+            sync.step(loss)
             sched.step()
             loss_val = loss.item()
+            if args.checkpoint and args.checkpoint_every and (step_no + 1) % args.checkpoint_every == 0:
+                _save_checkpoint(args.checkpoint, hvd, step_no + 1, model, opt, sched, sync, history,
+                                 train_time + time.perf_counter() - t_epoch)
+            if args.crash_at_step and step_no + 1 == args.crash_at_step:
+                sys.stdout.flush()
+                os._exit(17)  # simulated kill of the whole job
             if bar is not None:
                 bar.update(1)
                 if i % 20 == 0:
@@ -117,6 +171,16 @@ def main(argv=None):
         history.append({"epoch": epoch + 1, "test_acc": acc, "train_time_s": train_time, "loss": loss_val})
     if bar is not None:
         bar.close()
+    t_fin = time.perf_counter()
+    sync.finish()  # last parameter sync: every rank ends with the same model
+    train_time += time.perf_counter() - t_fin
+    if history and sync_factory.name != "every":
+        history[-1]["test_acc"] = accuracy(model, x_test, y_test)
+        history[-1]["train_time_s"] = train_time
+    if args.checkpoint:
+        _save_checkpoint(args.checkpoint, hvd, total_steps, model, opt, sched, sync, history, train_time)
+    exchanges_per_rank = [int(e) for e in hvd.allgather_object(int(sync.exchanges), name="train.exchanges")]
+    local_steps_per_rank = hvd.allgather_object(int(getattr(sync, "steps", total_steps)), name="train.local_steps")
 
     s = opt.stats.summary()
     # Mean over ranks of the per-rank counters (ranks may send different byte counts).
@@ -139,7 +203,16 @@ def main(argv=None):
         "ms_per_step": 1e3 * train_time / max(total_steps, 1),
         "comm_wait_ms_per_step": mean["comm_wait_ms_per_step"],
         "compress_ms_per_step": mean["compress_ms_per_step"],
-        "exchanges": mean["exchanges"],
+        "exchanges": sum(exchanges_per_rank) / len(exchanges_per_rank),
+        "exchanges_per_rank": exchanges_per_rank,
+        "exchanges_per_epoch": sum(exchanges_per_rank) / len(exchanges_per_rank) / args.epochs,
+        "sync": sync.describe(),
+        "local_steps_per_rank": local_steps_per_rank,
+        "resumed_from_step": start_step,
+        "period_history": opt.stats.extra.get("period_history"),
+        "trigger_reasons": opt.stats.extra.get("trigger_reasons"),
+        "slow_rank": args.slow_rank if args.slow_factor > 1.0 else None,
+        "slow_factor": args.slow_factor,
         "skipped_steps": s["skipped_steps"],
         "train_time_s": train_time,
         "history": history,
@@ -154,12 +227,47 @@ def main(argv=None):
         print(f"ms per step           {result['ms_per_step']:.2f}")
         print(f"comm wait ms per step {result['comm_wait_ms_per_step']:.2f}")
         print(f"train time            {train_time:.1f} s")
+        print(f"sync                  {result['sync']}")
+        print(f"exchanges per rank    {exchanges_per_rank} (mean {result['exchanges']:.1f} over {total_steps} steps)")
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
     opt.stats.close()
+    sync.close()
     return result
+
+
+def _save_checkpoint(path, hvd, step, model, opt, sched, sync, history, train_time):
+    """Collective: every rank's model/optimizer/scheduler/sync state (ranks may differ between
+    syncs) and the parameter-server state, written by rank 0 atomically."""
+    mine = {"model": model.state_dict(), "optimizer": opt.state_dict(), "sched": sched.state_dict(),
+            "sync": sync.state_dict()}
+    per_rank = hvd.allgather_object(mine, name="train.ckpt.gather")  # every rank is at `step` now
+    if hvd.rank() == 0:
+        ckpt = {"step": step, "ranks": hvd.size(), "per_rank": per_rank, "server": sync.shared_state_dict(),
+                "history": history, "train_time_s": train_time}
+        tmp = f"{path}.tmp"
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(ckpt, tmp)
+        os.replace(tmp, path)
+    hvd.barrier()  # nobody pushes to the server while rank 0 reads it
+
+
+def _load_checkpoint(path, hvd, model, opt, sched, sync):
+    ckpt = torch.load(path, weights_only=False)
+    if ckpt["ranks"] != hvd.size():
+        raise ValueError(f"--resume: checkpoint {path} has {ckpt['ranks']} ranks, this job {hvd.size()}")
+    mine = ckpt["per_rank"][hvd.rank()]
+    model.load_state_dict(mine["model"])
+    opt.load_state_dict(mine["optimizer"])
+    sched.load_state_dict(mine["sched"])
+    sync.load_state_dict(mine["sync"])
+    if ckpt["server"] is not None:
+        sync.load_shared_state_dict(ckpt["server"])
+    if hvd.rank() == 0:
+        print(f"resumed from {path} at step {ckpt['step']}", flush=True)
+    return int(ckpt["step"]), list(ckpt["history"]), float(ckpt["train_time_s"])
 
 
 if __name__ == "__main__":

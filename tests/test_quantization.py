@@ -179,8 +179,12 @@ def _formula(spec, n):
         "terngrad": 4 + cb(2),
         "signsgd": cb(1),
         "signum": cb(1),
-        "efsignsgd": 4 + cb(1),
-        "onebit": 8 + cb(1),
+        "efsignsgd": 4 * math.ceil(n / 1024) + cb(1),
+        "efsignsgd:bucket=0": 4 + cb(1),
+        "efsignsgd:bucket=100": 4 * math.ceil(n / 100) + cb(1),
+        "onebit": 8 * math.ceil(n / 1024) + cb(1),
+        "onebit:bucket=0": 8 + cb(1),
+        "onebit:bucket=100": 8 * math.ceil(n / 100) + cb(1),
         "natural": cb(1) + n,
         "int8": 8 * math.ceil(n / 1024) + n,
         "int8:chunk=0": 8 + n,
@@ -192,7 +196,8 @@ def _formula(spec, n):
 
 @pytest.mark.parametrize("spec", ["qsgd", "qsgd:bits=8,bucket=0", "qsgd:levels=2,bucket=100", "terngrad",
                                   "signsgd", "signum", "efsignsgd", "onebit", "natural", "int8",
-                                  "int8:chunk=0", "qdist", "qdist:bits=5,dist=laplace",
+                                  "efsignsgd:bucket=0", "efsignsgd:bucket=100", "onebit:bucket=0",
+                                  "onebit:bucket=100", "int8:chunk=0", "qdist", "qdist:bits=5,dist=laplace",
                                   "qdist:bits=2,dist=empirical"])
 def test_wire_bytes(spec):
     comp = C(spec)
@@ -213,6 +218,14 @@ def test_decoded_values():
     pos = x[x >= 0].mean()
     neg = x[x < 0].mean()
     assert torch.allclose(d, torch.where(x >= 0, pos, neg))
+    # per-chunk scales: chunks [0:4] and [4:6]
+    _, d = roundtrip(C("efsignsgd:bucket=4"), x)
+    scale = torch.tensor([x[:4].abs().mean()] * 4 + [x[4:].abs().mean()] * 2)
+    assert torch.allclose(d, torch.tensor([1, -1, 1, -1, 1, 1.0]) * scale)
+    _, d = roundtrip(C("onebit:bucket=4"), x)
+    ref = torch.cat([torch.where(c >= 0, c[c >= 0].mean(), c[c < 0].mean() if (c < 0).any() else 0.0)
+                     for c in (x[:4], x[4:])])
+    assert torch.allclose(d, ref)
     _, d = roundtrip(C("natural"), x)
     nz = d[d != 0].abs()
     assert torch.equal(nz, 2.0 ** torch.log2(nz).round())  # powers of two

@@ -1,41 +1,63 @@
 """EF-signSGD (Karimireddy et al. 2019, "Error Feedback Fixes SignSGD and other Gradient
 Compression Schemes").
 
-Each rank sends the scaled sign ``(||p||_1 / n) * sign(p)`` of its
+Each rank sends the scaled sign ``(||p_c||_1 / |c|) * sign(p_c)`` of its
 error-compensated gradient ``p = g + e`` (``feedback=residual`` by default keeps
 ``e <- p - sent``); the ranks' scaled signs are averaged. Sign bit 1 means
-``p_i >= 0``.
+``p_i >= 0``. The paper scales each layer by one number (``bucket=0``); with
+``bucket=B`` every chunk c of B consecutive coordinates gets its own scale,
+which follows the gradient's magnitude much more closely for 1/32 bit more per
+element at B=1024 (our default).
 
-Wire bytes (allgather, fixed size): ``4 + ceil(n / 8)`` (float32 scale + sign bits).
+Wire bytes (allgather, fixed size): ``4 * chunks + ceil(n / 8)``, chunks =
+``ceil(n / bucket)`` (1 for ``bucket=0``): float32 scales + sign bits.
 """
 from __future__ import annotations
 
 import torch
 
+from ..options import Option, non_negative
+from ._quant import chunks, padded_view
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
 from .signsgd import bits_to_sign, sign_bits
+
+
+def chunk_means(values: torch.Tensor, n: int, bucket: int) -> torch.Tensor:
+    """Mean of each chunk of ``bucket`` elements of the flat ``values`` (the last one may be short)."""
+    view = padded_view(values, bucket)
+    size = view.shape[1]
+    counts = torch.full((view.shape[0],), float(size), device=values.device)
+    counts[-1] = n - size * (view.shape[0] - 1)
+    return view.sum(1) / counts
+
+
+def expand(per_chunk: torch.Tensor, n: int, bucket: int) -> torch.Tensor:
+    size = bucket if bucket > 0 else n
+    return per_chunk.repeat_interleave(size)[:n]
 
 
 @register("efsignsgd")
 class EFSignSGDCompressor(Compressor):
     exchange = "allgather"
     default_feedback = "residual"
+    options = {"bucket": Option(int, 1024, "integer >= 0 (0 = one scale per tensor)", non_negative,
+                                help="coordinates per scale")}
 
     def compress(self, tensor, info):
         flat = tensor.reshape(-1).float()
         n = flat.numel()
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device), None
-        scale = (flat.abs().sum() / n).reshape(1)
-        return as_bytes(scale, sign_bits(flat)), None
+        scales = chunk_means(flat.abs(), n, self.bucket)
+        return as_bytes(scales, sign_bits(flat)), None
 
     def decode(self, data, ctx, info):
         n = info.numel
         if n == 0:
             return torch.zeros(0, device=data.device)
-        s, off = from_bytes(data, 0, torch.float32, 1)
-        return bits_to_sign(data[off:], n) * s
+        s, off = from_bytes(data, 0, torch.float32, chunks(n, self.bucket))
+        return bits_to_sign(data[off:], n) * expand(s, n, self.bucket)
 
     def wire_bytes(self, numel):
-        return (4 + packed_bytes(numel, 1)) if numel else 0
+        return (4 * chunks(numel, self.bucket) + packed_bytes(numel, 1)) if numel else 0

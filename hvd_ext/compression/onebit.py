@@ -3,17 +3,22 @@ Data-Parallel Distributed Training of Speech DNNs").
 
 Quantization threshold 0: each coordinate of the error-compensated gradient
 ``p = g + e`` sends one bit (1 for ``p_i >= 0``), and two reconstruction values
-are sent per tensor: the mean of the coordinates with bit 1 and the mean of
-those with bit 0 (this minimizes the squared error for the given bits).
+are sent per chunk: the mean of the coordinates with bit 1 and the mean of
+those with bit 0 (this minimizes the squared error for the given bits). The
+paper keeps one pair per matrix column; ``bucket=B`` keeps one pair per B
+consecutive coordinates (default 1024; ``bucket=0``: one pair per tensor).
 Error feedback (``feedback=residual``, the default) keeps ``e <- p - sent``.
 
-Wire bytes (allgather, fixed size): ``8 + ceil(n / 8)`` (two float32 values + bits).
+Wire bytes (allgather, fixed size): ``8 * chunks + ceil(n / 8)``, chunks =
+``ceil(n / bucket)`` (1 for ``bucket=0``): two float32 values per chunk + bits.
 """
 from __future__ import annotations
 
 import torch
 
 from .. import kernels as _K
+from ..options import Option, non_negative
+from ._quant import chunks, padded_view
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
 
@@ -22,6 +27,8 @@ from .bitpack import packed_bytes
 class OneBitCompressor(Compressor):
     exchange = "allgather"
     default_feedback = "residual"
+    options = {"bucket": Option(int, 1024, "integer >= 0 (0 = one pair per tensor)", non_negative,
+                                help="coordinates per pair of reconstruction values")}
 
     def compress(self, tensor, info):
         flat = tensor.reshape(-1).float()
@@ -29,12 +36,17 @@ class OneBitCompressor(Compressor):
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device), None
         pos = flat >= 0
-        npos = pos.sum()
-        sp = torch.where(pos, flat, torch.zeros_like(flat)).sum()
-        sn = flat.sum() - sp
+        view = padded_view(flat, self.bucket)
+        pview = padded_view(pos, self.bucket, False)
+        size = view.shape[1]
+        counts = torch.full((view.shape[0],), float(size), device=flat.device)
+        counts[-1] = n - size * (view.shape[0] - 1)
+        npos = pview.sum(1).float()
+        sp = torch.where(pview, view, torch.zeros_like(view)).sum(1)
+        sn = view.sum(1) - sp
         vpos = sp / npos.clamp(min=1)
-        vneg = sn / (n - npos).clamp(min=1)
-        vals = torch.stack([vneg, vpos]).float()
+        vneg = sn / (counts - npos).clamp(min=1)
+        vals = torch.stack([vneg, vpos], 1).reshape(-1).float()  # (neg, pos) per chunk
         # kernels.sign_pack: bit 1 iff flat >= 0, i.e. exactly ``pos`` (kernel on CUDA, bitpack else)
         return as_bytes(vals, _K.sign_pack(flat)), None
 
@@ -42,9 +54,12 @@ class OneBitCompressor(Compressor):
         n = info.numel
         if n == 0:
             return torch.zeros(0, device=data.device)
-        vals, off = from_bytes(data, 0, torch.float32, 2)
+        c = chunks(n, self.bucket)
+        vals, off = from_bytes(data, 0, torch.float32, 2 * c)
         bits = _K.unpack_bits(data[off:], 1, n).long()
-        return vals[bits]
+        size = self.bucket if self.bucket > 0 else n
+        chunk_of = torch.arange(n, device=data.device) // size
+        return vals[2 * chunk_of + bits]
 
     def wire_bytes(self, numel):
-        return (8 + packed_bytes(numel, 1)) if numel else 0
+        return (8 * chunks(numel, self.bucket) + packed_bytes(numel, 1)) if numel else 0

@@ -1,0 +1,113 @@
+"""Shared pieces of the sync strategies: flat parameter/state vectors, the fused parameter
+allreduce (one Horovod collective on one flat buffer), argument checks and stats plumbing."""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..options import Option, resolve_options
+from ..stats import CommStats
+
+
+def is_distributed_optimizer(optimizer) -> bool:
+    return callable(getattr(optimizer, "set_gradient_exchange", None))
+
+
+def check_optimizer_model(owner: str, optimizer, model) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"{owner}: optimizer must be a torch.optim.Optimizer (plain or hvd_ext.DistributedOptimizer), "
+                         f"got {type(optimizer).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"{owner}: model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def resolve(owner: str, declared: Dict[str, Option], given: Dict) -> Dict:
+    return resolve_options(owner, declared, given)
+
+
+class FlatState:
+    """The tensors a strategy averages, in a fixed order every rank agrees on:
+    the model's floating-point parameters, optionally its floating-point buffers
+    (BatchNorm statistics) and optionally the optimizer's per-parameter floating
+    state tensors of the parameter's shape (SGD momentum, Adam moments)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, buffers: bool, momentum: bool):
+        self.model = model
+        self.optimizer = optimizer
+        self.params: List[torch.Tensor] = [p for p in model.parameters() if p.is_floating_point()]
+        self.buffers: List[torch.Tensor] = ([b for b in model.buffers() if b.is_floating_point()]
+                                            if buffers else [])
+        self.momentum = momentum
+
+    def param_numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def momentum_tensors(self) -> List[torch.Tensor]:
+        if not self.momentum:
+            return []
+        out = []
+        for p in self.params:
+            st = self.optimizer.state.get(p, {})
+            for key in sorted(st):
+                v = st[key]
+                if torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape:
+                    out.append(v)
+        return out
+
+    def params_vector(self, dtype=torch.float64) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([p.detach().reshape(-1).to(dtype) for p in self.params])
+
+    def set_params_vector(self, vec: torch.Tensor) -> None:
+        with torch.no_grad():
+            off = 0
+            for p in self.params:
+                n = p.numel()
+                p.copy_(vec[off:off + n].view_as(p).to(p.dtype))
+                off += n
+
+
+def allreduce_average(tensors: List[torch.Tensor], name: str, process_set=None) -> Tuple[int, float]:
+    """Average ``tensors`` in place over the ranks with ONE fused Horovod allreduce per dtype
+    (all tensors concatenated into one flat buffer). Returns (payload bytes, seconds)."""
+    import horovod.torch as hvd
+
+    ps = hvd.global_process_set if process_set is None else process_set
+    t0 = time.perf_counter()
+    groups: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    nbytes = 0
+    handles = []
+    for dtype, ts in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        nbytes += flat.numel() * flat.element_size()
+        handles.append((hvd.allreduce_async_(flat, name=f"{name}.{str(dtype).split('.')[-1]}", op=hvd.Average,
+                                             process_set=ps), ts))
+    with torch.no_grad():
+        for h, ts in handles:
+            flat = hvd.synchronize(h)
+            off = 0
+            for t in ts:
+                n = t.numel()
+                t.copy_(flat[off:off + n].view_as(t))
+                off += n
+    return nbytes, time.perf_counter() - t0
+
+
+def allreduce_scalar_mean(value: float, name: str, process_set=None) -> float:
+    import horovod.torch as hvd
+
+    ps = hvd.global_process_set if process_set is None else process_set
+    out = hvd.allreduce(torch.tensor([float(value)], dtype=torch.float64), name=name, op=hvd.Average,
+                        process_set=ps)
+    return float(out.item())
+
+
+def stats_for(optimizer) -> CommStats:
+    """Record into the DistributedOptimizer's stats (so its summary counts parameter exchanges),
+    or into a fresh CommStats around a plain torch optimizer."""
+    st = getattr(optimizer, "stats", None)
+    return st if isinstance(st, CommStats) else CommStats()

@@ -1,0 +1,213 @@
+"""Periodic model averaging (local SGD) and post-local SGD.
+
+Lin, Stich, Patel, Jaggi, "Don't use large mini-batches, use local SGD", ICLR 2020:
+every rank takes ``period`` (H) local optimizer steps on its own data, then the
+parameters are averaged over all ranks; with ``warmup_steps=T`` the first T steps
+are fully synchronous (post-local SGD), then the period is H.
+
+Usage (the strategy wraps the optimizer's ``step``)::
+
+    opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    sync = hvd_ext.LocalSGD(opt, model, period=8, warmup_steps=100)
+    for x, y in data:
+        opt.zero_grad(); loss = F.cross_entropy(model(x), y); loss.backward()
+        sync.step(loss)          # optimizer.step() + parameter average every H steps
+    sync.finish()                # last average, all ranks identical
+
+Around an ``hvd_ext.DistributedOptimizer`` the per-step gradient exchange is
+switched off (``set_gradient_exchange(False)``) outside the warm-up, so the only
+communication is one fused allreduce of one flat buffer per sync. Around a plain
+torch optimizer the warm-up averages the parameters every step, which equals
+synchronous SGD for SGD with (Nesterov) momentum and weight decay (the update is
+linear in the gradient). Every decision depends on the step counter only, so all
+ranks agree (DESIGN.md, rule of consistency).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..options import Option
+from ._common import FlatState, allreduce_average, check_optimizer_model, is_distributed_optimizer, resolve, stats_for
+
+_INT1 = dict(accepted="integer >= 1", check=lambda v: v >= 1)
+_INT0 = dict(accepted="integer >= 0", check=lambda v: v >= 0)
+
+LOCAL_OPTIONS = {
+    "period": Option(int, 8, help="local steps between parameter averages (H)", **_INT1),
+    "warmup_steps": Option(int, 0, help="fully synchronous steps first (post-local SGD)", **_INT0),
+    "sync_buffers": Option(bool, True, help="also average floating-point model buffers (BatchNorm stats)"),
+    "sync_momentum": Option(bool, False, help="also average the optimizer's momentum/moment buffers"),
+}
+
+
+class LocalSGD:
+    """Average parameters every ``period`` steps with one fused allreduce (see module doc)."""
+
+    name = "local"
+    declared = LOCAL_OPTIONS
+
+    def __init__(self, optimizer, model, period: int = 8, warmup_steps: int = 0, sync_buffers: bool = True,
+                 sync_momentum: bool = False, **extra):
+        given = dict(period=period, warmup_steps=warmup_steps, sync_buffers=sync_buffers,
+                     sync_momentum=sync_momentum, **extra)
+        self._setup(optimizer, model, given)
+
+    def _setup(self, optimizer, model, given: Dict[str, Any]) -> None:
+        owner = type(self).__name__
+        check_optimizer_model(owner, optimizer, model)
+        opts = resolve(owner, self.declared, given)
+        self._configure(opts)
+        import horovod.torch as hvd
+
+        self.hvd = hvd
+        self.optimizer = optimizer
+        self.model = model
+        self.options = opts
+        self.process_set = getattr(optimizer, "process_set", None) or hvd.global_process_set
+        self.state = FlatState(model, optimizer, opts["sync_buffers"], opts.get("sync_momentum", True))
+        self.distributed = is_distributed_optimizer(optimizer)
+        self.stats = stats_for(optimizer)
+        self.steps = 0            # optimizer steps taken through this wrapper
+        self.since_sync = 0       # local steps since the last parameter average
+        self.syncs = 0            # parameter averages made
+        self.grad_steps = 0       # steps whose gradients were exchanged (warm-up)
+        self.stats.extra.setdefault("sync", self.describe())
+        self._set_mode()
+
+    # ---- configuration (AdaptiveSync overrides) ------------------------------------------
+    def _configure(self, opts: Dict[str, Any]) -> None:
+        self.period = opts["period"]
+        self.warmup_steps = opts["warmup_steps"]
+
+    def describe(self) -> str:
+        return f"{self.name}:period={self.period},warmup={self.warmup_steps}"
+
+    # ---- per-step --------------------------------------------------------------------------
+    def in_warmup(self, step: Optional[int] = None) -> bool:
+        return (self.steps if step is None else step) < self.warmup_steps
+
+    def _set_mode(self) -> None:
+        """Gradient exchange for the coming step: on during warm-up (DistributedOptimizer only)."""
+        if self.distributed:
+            self.optimizer.set_gradient_exchange(self.in_warmup())
+
+    def _due(self) -> bool:
+        return self.since_sync >= self.period
+
+    def step(self, loss=None, closure=None):
+        warm = self.in_warmup()
+        out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self.steps += 1
+        nbytes, wait, synced = 0, 0.0, False
+        if warm:
+            if self.distributed:
+                self.grad_steps += 1      # the optimizer exchanged and recorded this step itself
+            else:
+                nbytes, wait = self._average()
+                synced = True
+        else:
+            self.since_sync += 1
+            if self._due():
+                nbytes, wait = self._average()
+                synced = True
+        if not (warm and self.distributed):
+            self.stats.record(bytes_sent=nbytes, bytes_received=nbytes, comm_wait_s=wait, compress_s=0.0,
+                              skipped=False, exchanged=synced, sync_period=self.period)
+        self._set_mode()
+        return out
+
+    def _tensors(self):
+        return self.state.params + self.state.buffers + self.state.momentum_tensors()
+
+    def _average(self):
+        nbytes, wait = allreduce_average(self._tensors(), name="hvd_ext.sync.params", process_set=self.process_set)
+        self.since_sync = 0
+        self.syncs += 1
+        return nbytes, wait
+
+    def finish(self) -> None:
+        """Average what is left since the last sync so every rank ends with the same model."""
+        if self.since_sync > 0:
+            nbytes, wait = self._average()
+            self.stats.exchanges += 1
+            self.stats.bytes_sent += nbytes
+            self.stats.bytes_received += nbytes
+        if self.distributed:
+            self.optimizer.set_gradient_exchange(True)
+
+    @property
+    def exchanges(self) -> int:
+        """Parameter averages + gradient-exchange steps made by this rank."""
+        return self.syncs + self.grad_steps
+
+    def close(self) -> None:
+        pass
+
+    def shared_state_dict(self):
+        return None
+
+    def load_shared_state_dict(self, sd) -> None:
+        pass
+
+    # ---- checkpoint ------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"kind": self.name, "steps": self.steps, "since_sync": self.since_sync, "syncs": self.syncs,
+                "grad_steps": self.grad_steps, "period": self.period}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        if sd.get("kind") != self.name:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: checkpoint is for sync '{sd.get('kind')}'")
+        self.steps, self.since_sync = int(sd["steps"]), int(sd["since_sync"])
+        self.syncs, self.grad_steps = int(sd["syncs"]), int(sd["grad_steps"])
+        self.period = int(sd["period"])
+        self._set_mode()
+
+
+class EverySync:
+    """``--sync every``: plain data parallel; the optimizer exchanges gradients each step."""
+
+    name = "every"
+    declared: Dict[str, Option] = {}
+
+    def __init__(self, optimizer, model, **extra):
+        check_optimizer_model("EverySync", optimizer, model)
+        resolve("EverySync", self.declared, extra)
+        self.optimizer = optimizer
+        self.model = model
+        self.stats = stats_for(optimizer)
+        self.distributed = is_distributed_optimizer(optimizer)
+        if not self.distributed:
+            raise ValueError("EverySync: needs an hvd_ext.DistributedOptimizer (plain optimizers do not exchange)")
+        self.steps = 0
+
+    def describe(self) -> str:
+        return "every"
+
+    def step(self, loss=None, closure=None):
+        self.steps += 1
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def finish(self) -> None:
+        pass
+
+    @property
+    def exchanges(self) -> int:
+        return self.stats.exchanges
+
+    def close(self) -> None:
+        pass
+
+    def shared_state_dict(self):
+        return None
+
+    def load_shared_state_dict(self, sd) -> None:
+        pass
+
+    def state_dict(self):
+        return {"kind": "every", "steps": self.steps}
+
+    def load_state_dict(self, sd):
+        self.steps = int(sd.get("steps", 0))

@@ -1,0 +1,124 @@
+"""LocalSGD / AdaptiveSync checks on 2 ranks (Gloo controller); one RESULT line per rank."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+
+import horovod.torch as hvd  # noqa: E402
+
+import hvd_ext  # noqa: E402
+from common import emit  # noqa: E402
+
+hvd.init()
+torch.set_num_threads(1)
+rank, size = hvd.rank(), hvd.size()
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def batch(step, r=None):
+    g = torch.Generator().manual_seed(1000 * step + (rank if r is None else r))
+    return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def loss_of(model, step):
+    x, y = batch(step)
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def spread(model, name):
+    allp = hvd.allgather(flat(model).unsqueeze(0), name=name)
+    return float((allp - allp[0]).abs().max())
+
+
+out = {"rank": rank, "size": size}
+
+# 1. LocalSGD(H=1) around a plain optimizer == synchronous DistributedOptimizer (momentum + wd)
+K = 6
+m_a = make_model()
+o_a = torch.optim.SGD(m_a.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+s_a = hvd_ext.LocalSGD(o_a, m_a, period=1)
+m_b = make_model()
+o_b = hvd_ext.DistributedOptimizer(torch.optim.SGD(m_b.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3),
+                                   named_parameters=m_b.named_parameters())
+for t in range(K):
+    for m, o, s in ((m_a, o_a, s_a), (m_b, o_b, None)):
+        o.zero_grad()
+        loss_of(m, t).backward()
+        (s.step() if s else o.step())
+out["h1"] = {"max_diff": float((flat(m_a) - flat(m_b)).abs().max()), "moved": float((flat(m_b) - flat(make_model())).abs().max()),
+             "spread": spread(m_a, "h1.spread"), "exchanges": s_a.exchanges}
+
+# 2. LocalSGD(H=3, warmup=2) around DistributedOptimizer: identical after syncs, divergent between
+m = make_model()
+o = hvd_ext.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                 named_parameters=m.named_parameters())
+s = hvd_ext.LocalSGD(o, m, period=3, warmup_steps=2)
+spreads = []
+for t in range(10):
+    o.zero_grad()
+    loss_of(m, t).backward()
+    s.step()
+    spreads.append(spread(m, f"l3.spread.{t}"))
+s.finish()
+out["local"] = {"spreads": spreads, "final_spread": spread(m, "l3.final"), "syncs": s.syncs,
+                "grad_steps": s.grad_steps, "exchanges": s.exchanges, "stats_exchanges": o.stats.exchanges,
+                "stats_steps": o.stats.steps}
+
+# 3. AdaptiveSync: decisions from constructed momentum
+m = make_model()
+o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+a = hvd_ext.AdaptiveSync(o, m, min_period=2, max_period=10, period=8, delta_lo=0.2, delta_hi=0.5)
+o.zero_grad()
+loss_of(m, 0).backward()
+o.step()  # creates momentum buffers
+for p in m.parameters():  # agree: identical momentum on every rank
+    o.state[p]["momentum_buffer"].fill_(0.5)
+a._average()
+agree = (a.last_delta, a.period)
+
+
+def diverge_momentum():  # rank-dependent momentum of opposite sign
+    for p in m.parameters():
+        o.state[p]["momentum_buffer"].fill_(1.0 + 3.0 * (1 if rank == 0 else -1))
+
+
+diverge_momentum()
+a._average()
+diverge = (a.last_delta, a.period)
+diverge_momentum()
+a._average()
+diverge_momentum()
+a._average()  # 4 -> 2 -> 2 (clamped at min)
+clamp = a.period
+mom = torch.cat([o.state[p]["momentum_buffer"].reshape(-1) for p in m.parameters()])
+allm = hvd.allgather(mom.unsqueeze(0), name="ad.mom")
+# a real run: identical period histories on both ranks
+m2 = make_model()
+o2 = hvd_ext.DistributedOptimizer(torch.optim.SGD(m2.parameters(), lr=0.05, momentum=0.9),
+                                  named_parameters=m2.named_parameters())
+a2 = hvd_ext.AdaptiveSync(o2, m2, min_period=1, max_period=6)
+for t in range(30):
+    o2.zero_grad()
+    loss_of(m2, t).backward()
+    a2.step()
+a2.finish()
+out["adaptive"] = {"agree": agree, "diverge": diverge, "clamp": clamp, "mom_spread": float((allm - allm[0]).abs().max()),
+                   "history": o2.stats.extra["period_history"], "spread": spread(m2, "ad.final"),
+                   "exchanges": a2.exchanges}
+
+# 4. EventTriggeredSGD under Gloo: clear error, no MPI touched
+try:
+    hvd_ext.EventTriggeredSGD(torch.optim.SGD(m.parameters(), lr=0.1), m)
+    out["gloo_event_error"] = None
+except RuntimeError as e:
+    out["gloo_event_error"] = str(e)
+emit(**out)
