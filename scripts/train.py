@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--log", default=None, help="per-step JSON-lines stats log (suffix .rankN added)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--plain-horovod", action="store_true",
+                   help="baseline: horovod.torch.DistributedOptimizer itself (--compression none or fp16 only)")
     p.add_argument("--sync", default="every",
                    help="sync strategy spec: every | local:period=8[,warmup=T] | adaptive:min=1,max=32 | "
                         "event:sigma=..,tau_min=..,tau_max=..,staleness=loss|inverse|none,gamma=.. "
@@ -60,9 +62,35 @@ def parse_args(argv=None):
         p.error(f"--slow-factor must be >= 1, got {args.slow_factor}")
     if args.checkpoint_every < 0:
         p.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.plain_horovod and (args.compression not in ("none", "fp16") or args.sync != "every"):
+        p.error("--plain-horovod runs Horovod's own optimizer: --compression none|fp16 and --sync every only")
     if (args.checkpoint_every or args.resume) and not args.checkpoint:
         p.error("--checkpoint-every/--resume need --checkpoint PATH")
     return args
+
+
+def plain_horovod_optimizer(hvd, opt, model, compression, log_path):
+    """The reference: Horovod's own DistributedOptimizer, with the same ``stats`` as ours.
+
+    Bytes per step are the dense payload Horovod allreduces (4 or 2 bytes per
+    element); waiting is the time spent in ``synchronize()``."""
+    from hvd_ext.stats import CommStats
+
+    codec = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=codec)
+    nbytes = sum(p.numel() for p in model.parameters() if p.requires_grad) * (2 if compression == "fp16" else 4)
+    stats = CommStats(log_path)
+    inner = opt.synchronize
+
+    def synchronize():
+        t0 = time.perf_counter()
+        inner()
+        stats.record(bytes_sent=nbytes, bytes_received=nbytes, comm_wait_s=time.perf_counter() - t0,
+                     compress_s=0.0, skipped=False)
+
+    opt.synchronize = synchronize
+    opt.stats = stats
+    return opt
 
 
 def main(argv=None):
@@ -101,8 +129,12 @@ def main(argv=None):
     model = MNIST1DCNN(args.channels)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     log_path = f"{args.log}.rank{rank}" if args.log else None
-    opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compressor,
-                                       bucket_bytes=args.bucket_bytes, log_path=log_path)
+    if args.plain_horovod:
+        opt = plain_horovod_optimizer(hvd, opt, model, args.compression, log_path)
+    else:
+        opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                           compression=compressor, bucket_bytes=args.bucket_bytes,
+                                           log_path=log_path)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     opt.stats.reset()
@@ -191,7 +223,7 @@ def main(argv=None):
     mean = dict(zip(keys, vec.tolist()))
     final_acc = history[-1]["test_acc"]
     result = {
-        "compression": compressor.spec(),
+        "compression": ("horovod:" if args.plain_horovod else "") + compressor.spec(),
         "ranks": size,
         "epochs": args.epochs,
         "steps": total_steps,

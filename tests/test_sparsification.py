@@ -332,10 +332,10 @@ def test_ewma_conserves_over_200_steps(n, scale):
 
 
 def test_ewma_share_is_full_prediction_under_average():
-    c = compression_from_spec("topk:ratio=0.5,feedback=ewma,beta=0.5,lambda=1")
+    c = compression_from_spec("topk:ratio=0.5,feedback=ewma,beta=0.5,lambda=1,rate=0")
     # step 0: coordinate 0 sent by both -> S_0 = 0.5*G_0 ; step 1: nothing sent there
     g0 = [{"w": torch.tensor([4.0, 0.0])}, {"w": torch.tensor([4.0, 0.0])}]
-    comps = [c, compression_from_spec("topk:ratio=0.5,feedback=ewma,beta=0.5,lambda=1")]
+    comps = [c, compression_from_spec("topk:ratio=0.5,feedback=ewma,beta=0.5,lambda=1,rate=0")]
     sim_step(comps, 0, g0)
     assert torch.equal(comps[0].feedback.memory["w\x00ewma_S"], torch.tensor([2.0, 0.0]))
     g1 = [{"w": torch.tensor([0.0, 1.0])}, {"w": torch.tensor([0.0, 1.0])}]
@@ -343,6 +343,23 @@ def test_ewma_share_is_full_prediction_under_average():
     assert torch.equal(applied[0]["w"], torch.tensor([2.0, 1.0]))  # lambda*S_0 predicted
     for cc in comps:  # each worker pays the full lambda*S_0 (averaging exchange)
         assert torch.equal(cc.feedback.memory["w"], torch.tensor([-2.0, 0.0]))
+
+
+def test_ewma_rate_smooths_per_step_gradient():
+    """rate=1: a coordinate that waited a steps contributes G/a to S; rate=0 contributes G."""
+    spec = "topk:ratio=0.5,feedback=ewma,beta=0.5,lambda=0,rate={}"
+    for rate, expect in ((1, 0.5 * 9.0 / 4), (0, 0.5 * 9.0)):  # coordinate 0 waited steps 0..3
+        comps = [compression_from_spec(spec.format(rate))]
+        # step 0: coordinate 1 sent (S_0 stays 0); steps 1-2: coordinate 1 again; step 3: coordinate 0
+        sim_step(comps, 0, [{"w": torch.tensor([0.0, 5.0])}])
+        sim_step(comps, 1, [{"w": torch.tensor([0.0, 5.0])}])
+        sim_step(comps, 2, [{"w": torch.tensor([0.0, 5.0])}])
+        sim_step(comps, 3, [{"w": torch.tensor([9.0, 0.0])}])
+        S = comps[0].feedback.memory["w\x00ewma_S"]
+        assert S[0].item() == pytest.approx(expect), (rate, S)
+        if rate:
+            age = comps[0].feedback.memory["w\x00ewma_age"]
+            assert age.tolist() == [0.0, 1.0]
 
 
 def test_ewma_lambda0_equals_residual_bitwise():

@@ -20,6 +20,15 @@ prediction is paid back from the memories once, never counted twice. Under
 full lambda*S_j (the average of N workers each "sending" lambda*S_j is
 lambda*S_j); under ``op=Sum`` c = 1/N, DESIGN's r_i <- r_i - lambda*S_j/N.
 
+Per-step rate (``rate=1``, default). With error feedback a coordinate that
+waited a_j steps arrives carrying about a_j steps of gradient, so smoothing G_j
+itself would make S (and the prediction applied on *every* unsent step) about
+a_j times too large. With ``rate=1`` every rank also keeps a_j (steps since some
+rank last sent j; identical everywhere, it depends only on the shared support)
+and smooths the per-step estimate G_j / a_j instead:
+``S_j <- beta * S_j + (1 - beta) * G_j / a_j`` on j in Omega, then a_j <- 0.
+``rate=0`` smooths G_j as written above.
+
 sigma comes from ``info.extra["scale"]`` (set by the pipeline), else 1/N.
 Without a support mask from the compressor, Omega = {G != 0}. ``lambda=0`` is
 exactly residual error feedback. S is part of the state dict.
@@ -39,6 +48,7 @@ from .base import Feedback, register
 from .residual import residual_of
 
 _S = "\x00ewma_S"
+_AGE = "\x00ewma_age"
 
 
 @register("ewma")
@@ -46,8 +56,10 @@ class EWMAFeedback(Feedback):
     needs_support = True
     options = {
         "beta": Option(float, 0.9, "0 <= beta <= 1", unit_interval, help="smoothing of S on sent coordinates"),
-        "lambda": Option(float, 0.5, "lambda >= 0", non_negative,
+        "lambda": Option(float, 0.1, "lambda >= 0", non_negative,
                          help="weight of the prediction lambda*S on coordinates nobody sent (0 = residual)"),
+        "rate": Option(bool, True, "0 or 1",
+                       help="smooth the per-step rate G_j / (steps since j was last sent) instead of G_j"),
     }
 
     def __init__(self, **kw):
@@ -71,11 +83,17 @@ class EWMAFeedback(Feedback):
         S = self.memory.get(name + _S)
         if S is None:
             S = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+        G = flat.float()
+        if self.rate:
+            age = self.memory.get(name + _AGE)
+            age = torch.ones_like(S) if age is None else age + 1
+            G = G / age
+            self._pending[name + _AGE] = torch.where(sup, torch.zeros_like(age), age)
         if S.dtype == torch.float32 and _K.backend(S, flat, sup) == "cuda":
             S_new = S.clone(memory_format=torch.contiguous_format)
-            _K.ewma_update(S_new, flat.float(), sup, self.beta)
+            _K.ewma_update(S_new, G, sup, self.beta)
         else:
-            S_new = torch.where(sup, S * self.beta + flat.float() * (1.0 - self.beta), S)
+            S_new = torch.where(sup, S * self.beta + G * (1.0 - self.beta), S)
         self._pending[name + _S] = S_new
         if self.lam == 0:
             self._share.pop(name, None)

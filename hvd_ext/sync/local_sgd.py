@@ -178,9 +178,11 @@ class EverySync:
         self.optimizer = optimizer
         self.model = model
         self.stats = stats_for(optimizer)
-        self.distributed = is_distributed_optimizer(optimizer)
+        # hvd_ext's optimizer, or Horovod's own (the plain-Horovod baseline): both exchange in step()
+        self.distributed = is_distributed_optimizer(optimizer) or callable(getattr(optimizer, "synchronize", None))
         if not self.distributed:
-            raise ValueError("EverySync: needs an hvd_ext.DistributedOptimizer (plain optimizers do not exchange)")
+            raise ValueError("EverySync: needs a distributed optimizer (hvd_ext.DistributedOptimizer or "
+                             "hvd.DistributedOptimizer); plain optimizers do not exchange")
         self.steps = 0
 
     def describe(self) -> str:

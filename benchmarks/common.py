@@ -1,0 +1,213 @@
+"""Shared helpers for the benchmarks: machine description, the shaped-cluster
+wrapper, running a launched job with a step-progress bar, and small formatters."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPED = ROOT / "scripts" / "shaped-cluster"
+RESULTS = ROOT / "benchmarks" / "results"
+PY = sys.executable
+
+
+def machine_info() -> Dict:
+    """What ran the benchmark: host, CPU, cores, memory, kernel, library versions, git commit, date."""
+    info = {"date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "host": platform.node(), "kernel": platform.release(), "python": platform.python_version(),
+            "cpus": os.cpu_count()}
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal"):
+                info["mem_gib"] = round(int(line.split()[1]) / 2**20, 1)
+                break
+    except OSError:
+        pass
+    for mod in ("torch", "horovod"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            info[mod] = None
+    try:
+        info["git_commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                            capture_output=True, text=True, timeout=10).stdout.strip() or None
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        info["git_dirty"] = bool(dirty)
+    except Exception:  # noqa: BLE001
+        info["git_commit"] = None
+    info["loadavg_start"] = loadavg()
+    return info
+
+
+def loadavg() -> Optional[List[float]]:
+    try:
+        return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+    except OSError:
+        return None
+
+
+def check_testbed() -> Optional[str]:
+    """None when shaped runs are possible here, else the reason they are not."""
+    if os.geteuid() != 0:
+        return "not root: network namespaces and tc need CAP_NET_ADMIN"
+    import shutil
+
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' (iproute2) not found"
+    return None
+
+
+def shaped_prefix(rate: Optional[str], latency: str = "50ms", burst: str = "256kb") -> List[str]:
+    """Command prefix that runs what follows in a fresh namespace; rate None = unshaped namespace."""
+    if rate is None or str(rate).lower() in ("none", "unshaped", "0"):
+        return [str(SHAPED), "--unshaped", "--"]
+    return [str(SHAPED), "--rate", str(rate), "--latency", latency, "--burst", burst, "--"]
+
+
+def hvd_launcher(np_: int, kind: str = "gloo") -> List[str]:
+    """Horovod launch prefix. gloo: TCP over loopback (shaped). mpi: Open MPI forced onto TCP over lo
+    (its default shared-memory transport would bypass the shaper)."""
+    if kind == "gloo":
+        return ["horovodrun", "-np", str(np_), "-H", f"localhost:{np_}", "--gloo"]
+    if kind == "mpi":
+        return ["mpirun", "-np", str(np_), "--bind-to", "none", "--mca", "btl", "tcp,self",
+                "--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo"]
+    raise ValueError(f"unknown launcher {kind!r}")
+
+
+def torchrun_launcher(np_: int, port: int = 29511) -> List[str]:
+    return [str(Path(PY).with_name("torchrun")), "--nnodes", "1", "--nproc_per_node", str(np_),
+            "--master_addr", "127.0.0.1", "--master_port", str(port)]
+
+
+def slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", s).strip("_")[:80] or "x"
+
+
+def child_env() -> Dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    env["PATH"] = str(Path(PY).parent) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_job(cmd: List[str], log_file: Path, timeout: float, progress: Optional[Callable[[], None]] = None,
+            poll_s: float = 0.5, env: Optional[Dict[str, str]] = None) -> Dict:
+    """Run cmd (a shaped-cluster command) in its own session, output to log_file; call progress()
+    every poll_s. On timeout or Ctrl-C the session gets SIGTERM (shaped-cluster then removes its
+    namespace), SIGKILL 15 s later. Returns {rc, wall_s, timed_out, tail}."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    timed_out = False
+    with open(log_file, "w") as out:
+        out.write("$ " + " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()) + " "
+                  + " ".join(shlex.quote(c) for c in cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**child_env(), **(env or {})}, cwd=str(ROOT), start_new_session=True)
+        try:
+            while proc.poll() is None:
+                if time.perf_counter() - t0 > timeout:
+                    timed_out = True
+                    _stop(proc)
+                    break
+                if progress is not None:
+                    progress()
+                time.sleep(poll_s)
+        except BaseException:
+            _stop(proc)
+            raise
+        rc = proc.wait()
+        if progress is not None:
+            progress()
+    return {"rc": rc, "wall_s": time.perf_counter() - t0, "timed_out": timed_out, "tail": tail(log_file)}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def tail(path: Path, n: int = 15) -> str:
+    try:
+        lines = [ln for ln in Path(path).read_text(errors="replace").splitlines()
+                 if "hostname of the client socket" not in ln and ln.strip()]
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+class LineCounter:
+    """Counts lines of a growing file (a per-step JSON-lines log) without rereading it."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.pos = 0
+        self.count = 0
+
+    def __call__(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                chunk = f.read()
+        except OSError:
+            return self.count
+        if chunk:
+            complete = chunk[:chunk.rfind(b"\n") + 1]
+            self.count += complete.count(b"\n")
+            self.pos += len(complete)
+        return self.count
+
+
+def fmt_bytes(b: Optional[float]) -> str:
+    if b is None:
+        return "—"
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= k:
+            return f"{b / k:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+def fmt(x: Optional[float], spec: str = ".1f", suffix: str = "") -> str:
+    return "—" if x is None else f"{x:{spec}}{suffix}"
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)

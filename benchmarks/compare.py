@@ -1,0 +1,472 @@
+#!/usr/bin/env python
+"""Side-by-side training benchmark on a shaped network: hvd_ext methods vs plain Horovod and PyTorch DDP.
+
+    python benchmarks/compare.py --quick                 # < 5 min: 6 methods x 2 epochs, target 50%
+    python benchmarks/compare.py                         # full: 16 methods x 8 epochs, target 93%
+                                                         #   (~15-20 min on a quiet 2-core machine)
+    python benchmarks/compare.py --methods topk:ratio=0.01 dgc:ratio=0.01 --epochs 8 --rate 100mbit
+
+Every method trains the MNIST-1D CNN (hvd_ext/examples/mnist1d.py) with N ranks
+(default 2) in its own network namespace whose loopback is shaped with tc tbf
+(scripts/shaped-cluster; default 300 Mbit/s). The same run always includes the
+peers a user would pick instead:
+
+  horovod           scripts/train.py --plain-horovod: horovod.torch.DistributedOptimizer itself,
+                    uncompressed fp32 allreduce (the reference for every ratio)
+  horovod:fp16      the same with Horovod's own hvd.Compression.fp16
+  none              hvd_ext.DistributedOptimizer without compression (our overhead over Horovod)
+  ddp               PyTorch DDP, gloo, launched with torchrun (benchmarks/ddp_train.py)
+  ddp-powersgd      DDP with torch's PowerSGD comm hook, rank 2 (start_powerSGD_iter=10)
+
+Method syntax:
+  horovod | horovod:fp16     -> scripts/train.py --plain-horovod [--compression fp16]
+  COMPRESSION                e.g. topk:ratio=0.01,feedback=ewma  -> scripts/train.py --compression ...
+  COMPRESSION@SYNC           e.g. none@local:period=8             -> ... --sync local:period=8
+  ddp | ddp-powersgd[:rank=R,start=S]
+
+Horovod jobs use `horovodrun --gloo` (TCP over the namespace's loopback, so the
+shaper applies); sync strategies that need MPI (`event`: one-sided parameter
+server; hvd_ext.sync_from_spec(...).needs_mpi) use mpirun with Open MPI forced
+onto TCP over lo (its shared-memory transport would bypass the shaper). A method whose compressor is
+not registered (or whose spec is invalid, or that needs `--sync` while train.py
+has none yet) is reported as skipped; a method whose job fails is reported as
+failed with the tail of its log; neither stops the run.
+
+Records per method: ms/step, comm-wait ms/step, bytes sent/step (per rank,
+payload), test accuracy per epoch with cumulative training wall-clock (eval
+excluded), time to --target accuracy (first epoch end at or above it), the
+job's total wall time including start-up. Writes OUT.json, OUT.md (table with
+ratios vs plain Horovod), OUT_acc_vs_time.png and OUT_bytes.png, where OUT
+defaults to benchmarks/results/compare (compare_quick with --quick). Logs of
+every job go to OUT_logs/ (per-step logs are deleted after a successful job).
+
+Heterogeneous runs: --slow-rank R --slow-factor F makes rank R's compute F
+times slower in every method (train.py and ddp_train.py sleep alike).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402
+from common import ROOT, fmt, fmt_bytes  # noqa: E402
+
+REFERENCE = "horovod"
+BASELINES = [REFERENCE, "horovod:fp16", "none", "ddp", "ddp-powersgd:rank=2"]
+FULL_METHODS = [
+    # sparsification (issue 3)
+    "topk:ratio=0.01", "dgc:ratio=0.01", "sig:ratio=0.01", "topk:ratio=0.01,feedback=ewma",
+    # quantisation / low rank (issue 4)
+    "qdist:bits=3", "qsgd:bits=8", "powersgd:rank=2", "efsignsgd", "onebit",
+    # synchronisation strategies (issue 5; skipped while train.py has no --sync)
+    "none@local:period=8", "none@adaptive:min=1,max=32", "none@event",
+]
+QUICK_METHODS = ["topk:ratio=0.01", "powersgd:rank=2"]
+TARGETS = (0.90, 0.93, 0.94)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="methods to compare (baselines none, fp16, ddp, ddp-powersgd:rank=2 are always added)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"< 5 min: baselines + {' '.join(QUICK_METHODS)}, 2 epochs (unless given)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=None, help="default 8 (2 with --quick)")
+    p.add_argument("--lr", type=float, default=0.2)
+    p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", type=float, default=None,
+                   help="target test accuracy for time-to-accuracy (default 0.93; 0.5 with --quick, whose 2 epochs "
+                        "cannot reach 93%%)")
+    p.add_argument("--rate", default="300mbit", help="tbf rate of the namespace loopback; 'unshaped' for none")
+    p.add_argument("--latency", default="50ms", help="tbf latency (max queueing delay)")
+    p.add_argument("--burst", default="256kb")
+    p.add_argument("--launcher", choices=["auto", "gloo", "mpi"], default="auto",
+                   help="Horovod launcher (auto: gloo, mpi for --sync event)")
+    p.add_argument("--slow-rank", type=int, default=0, help="with --slow-factor: this rank computes slower")
+    p.add_argument("--slow-factor", type=float, default=1.0,
+                   help="heterogeneous run: the slow rank's compute takes this many times longer (all methods)")
+    p.add_argument("--ddp-powersgd-start", type=int, default=10, help="start_powerSGD_iter for DDP PowerSGD")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per method (default 120 + 0.5 s/step)")
+    p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/compare[_quick])")
+    p.add_argument("--no-baselines", action="store_true", help="do not add the baselines (debugging only)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    a = p.parse_args(argv)
+    if a.epochs is None:
+        a.epochs = 2 if a.quick else 8
+    if a.target is None:
+        a.target = 0.5 if a.quick else 0.93
+    if a.methods is None:
+        a.methods = QUICK_METHODS if a.quick else FULL_METHODS
+    if a.out is None:
+        a.out = str(common.RESULTS / ("compare_quick" if a.quick else "compare"))
+    if a.ranks < 1 or a.epochs < 1:
+        p.error("--ranks and --epochs must be >= 1")
+    if a.slow_factor < 1.0:
+        p.error("--slow-factor must be >= 1")
+    if not 0 < a.target <= 1:
+        p.error("--target must be in (0, 1]")
+    return a
+
+
+def method_list(a):
+    seen, out = set(), []
+    for m in ([] if a.no_baselines else BASELINES) + list(a.methods):
+        m = m.strip()
+        if m and m not in seen:
+            seen.add(m)
+            out.append(m)
+    return out
+
+
+_train_help = None
+
+
+def train_supports(flag: str) -> bool:
+    global _train_help
+    if _train_help is None:
+        r = subprocess.run([common.PY, str(ROOT / "scripts" / "train.py"), "--help"], capture_output=True,
+                           text=True, env=common.child_env(), timeout=120)
+        _train_help = r.stdout
+    return re.search(rf"(^|\s){re.escape(flag)}[\s=,]", _train_help) is not None
+
+
+def plan(method: str, a, workdir: Path):
+    """-> dict(method, framework, launcher, cmd, json, log) or dict(status='skipped', reason=...)."""
+    base = {"method": method}
+    out_json = workdir / f"{common.slug(method)}.json"
+    step_log = workdir / f"{common.slug(method)}.steps"
+    common_args = ["--epochs", str(a.epochs), "--lr", str(a.lr), "--batch", str(a.batch), "--seed", str(a.seed),
+                   "--json", str(out_json), "--no-progress"]
+    # --log is an ambiguous abbreviation to horovodrun's and torchrun's argparse: pass it via argv_shim.py
+    env = {"BENCH_EXTRA_ARGS": json.dumps(["--log", str(step_log)])}
+    shim = [common.PY, str(ROOT / "benchmarks" / "argv_shim.py")]
+    if method == "ddp" or method.startswith("ddp-powersgd"):
+        args = ["--hook", "allreduce"]
+        if method != "ddp":
+            opts = dict(rank="2", start=str(a.ddp_powersgd_start))
+            rest = method[len("ddp-powersgd"):]
+            if rest:
+                if not rest.startswith(":"):
+                    return {**base, "framework": "pytorch-ddp", "status": "skipped", "reason": f"bad DDP spec {method!r}"}
+                for kv in filter(None, rest[1:].split(",")):
+                    k, _, v = kv.partition("=")
+                    if k not in opts or not v.isdigit():
+                        return {**base, "framework": "pytorch-ddp", "status": "skipped",
+                                "reason": f"bad DDP PowerSGD option {kv!r} (rank=R,start=S)"}
+                    opts[k] = v
+            args = ["--hook", "powersgd", "--rank", opts["rank"], "--start-iter", opts["start"]]
+        if a.slow_factor > 1.0:
+            args += ["--slow-rank", str(a.slow_rank), "--slow-factor", str(a.slow_factor)]
+        cmd = (common.torchrun_launcher(a.ranks) + ["--no-python"] + shim + [str(ROOT / "benchmarks" / "ddp_train.py")]
+               + args + common_args)
+        return {**base, "framework": "pytorch-ddp", "launcher": "torchrun/gloo", "cmd": cmd, "json": out_json,
+                "steps_log": step_log, "env": env}
+    if method in ("horovod", "horovod:none", "horovod:fp16"):
+        comp = "fp16" if method.endswith("fp16") else "none"
+        cmd = (common.hvd_launcher(a.ranks, "gloo" if a.launcher == "auto" else a.launcher) + shim
+               + [str(ROOT / "scripts" / "train.py"), "--plain-horovod", "--compression", comp] + common_args)
+        return {**base, "framework": "horovod", "launcher": "horovodrun/gloo", "cmd": cmd, "json": out_json,
+                "steps_log": step_log, "env": env}
+    comp, _, sync = method.partition("@")
+    try:
+        import hvd_ext
+
+        hvd_ext.compression_from_spec(comp)
+    except ValueError as e:
+        why = "compressor not registered" if "unknown compressor" in str(e) else "invalid spec"
+        return {**base, "framework": "horovod+hvd_ext", "status": "skipped", "reason": f"{why}: {e}"}
+    except ImportError as e:
+        return {**base, "framework": "horovod+hvd_ext", "status": "skipped", "reason": f"hvd_ext import failed: {e}"}
+    extra = []
+    needs_mpi = False
+    if sync:
+        if not train_supports("--sync"):
+            return {**base, "framework": "horovod+hvd_ext", "status": "skipped",
+                    "reason": "scripts/train.py has no --sync option yet"}
+        sync_from_spec = getattr(hvd_ext, "sync_from_spec", None)
+        if sync_from_spec is not None:
+            try:
+                needs_mpi = bool(getattr(sync_from_spec(sync), "needs_mpi", False))
+            except ValueError as e:
+                return {**base, "framework": "horovod+hvd_ext", "status": "skipped", "reason": f"invalid sync spec: {e}"}
+        else:
+            needs_mpi = sync.split(":")[0].strip() == "event"
+        extra = ["--sync", sync]
+    if a.slow_factor > 1.0:
+        if not train_supports("--slow-rank"):
+            return {**base, "framework": "horovod+hvd_ext", "status": "skipped",
+                    "reason": "scripts/train.py has no --slow-rank option"}
+        extra += ["--slow-rank", str(a.slow_rank), "--slow-factor", str(a.slow_factor)]
+    launcher = a.launcher
+    if launcher == "auto":
+        launcher = "mpi" if needs_mpi else "gloo"
+    cmd = common.hvd_launcher(a.ranks, launcher) + shim + [str(ROOT / "scripts" / "train.py"),
+                                                          "--compression", comp] + extra + common_args
+    fw = "horovod+hvd_ext"
+    return {**base, "framework": fw, "launcher": f"horovodrun/{launcher}" if launcher == "gloo" else "mpirun/tcp",
+            "cmd": cmd, "json": out_json, "steps_log": step_log, "env": env}
+
+
+def time_to(history, target):
+    for h in history:
+        if h["test_acc"] >= target:
+            return h["train_time_s"], h["epoch"]
+    return None, None
+
+
+def summarize(entry, a):
+    r = entry["result"]
+    hist = r.get("history", [])
+    entry["time_to_target_s"], entry["epochs_to_target"] = time_to(hist, a.target)
+    entry["time_to"] = {f"{t:.2f}": time_to(hist, t)[0] for t in TARGETS}
+    entry["best_acc"] = max((h["test_acc"] for h in hist), default=None)
+    entry["exchanges_per_epoch"] = (r.get("exchanges") / r["epochs"]) if r.get("exchanges") is not None else None
+
+
+def add_ratios(entries):
+    ref = next((e for e in entries if e["method"] == REFERENCE and e["status"] == "ok"), None)
+    for e in entries:
+        e["vs_horovod"] = None
+        if ref is None or e["status"] != "ok":
+            continue
+        r, rr = e["result"], ref["result"]
+        e["vs_horovod"] = {
+            "speedup_ms_per_step": rr["ms_per_step"] / r["ms_per_step"] if r["ms_per_step"] else None,
+            "bytes_fewer": rr["bytes_sent_per_step"] / r["bytes_sent_per_step"] if r["bytes_sent_per_step"] else None,
+            "speedup_time_to_target": (ref["time_to_target_s"] / e["time_to_target_s"]
+                                       if ref.get("time_to_target_s") and e.get("time_to_target_s") else None),
+            "acc_delta_pp": 100 * (r["test_acc"] - rr["test_acc"]),
+        }
+
+
+def one_line(i, n, e, a):
+    if e["status"] != "ok":
+        return f"[{i}/{n}] {e['method']:<34} {e['status'].upper()}: {e.get('reason', '')[:150]}"
+    r = e["result"]
+    v = e.get("vs_horovod_live") or {}
+    sp = f" ({v['speedup_ms_per_step']:.2f}x)" if v.get("speedup_ms_per_step") else ""
+    bf = f" ({v['bytes_fewer']:.1f}x fewer)" if v.get("bytes_fewer") else ""
+    tt = fmt(e["time_to_target_s"], ".1f", " s") if e["time_to_target_s"] is not None else "not reached"
+    return (f"[{i}/{n}] {e['method']:<34} acc {100 * r['test_acc']:5.2f}%  ms/step {r['ms_per_step']:7.2f}{sp}  "
+            f"wait {fmt(r.get('comm_wait_ms_per_step'), '6.2f')}  bytes/step {fmt_bytes(r['bytes_sent_per_step'])}{bf}  "
+            f"t->{100 * a.target:.0f}% {tt}  [job {e['wall_s']:.0f} s]")
+
+
+def run(a):
+    from tqdm import tqdm
+
+    out = Path(a.out)
+    workdir = Path(str(out) + "_logs")
+    if not a.dry_run:
+        workdir.mkdir(parents=True, exist_ok=True)
+    methods = method_list(a)
+    why_not = common.check_testbed()
+    if why_not and not a.dry_run:
+        sys.exit(f"compare.py: cannot build the shaped testbed: {why_not}")
+    meta = {"benchmark": "compare", "machine": common.machine_info(),
+            "command": "python " + " ".join(shlex.quote(x) for x in [str(Path(sys.argv[0]))] + sys.argv[1:]),
+            "config": {"ranks": a.ranks, "epochs": a.epochs, "lr": a.lr, "batch_per_rank": a.batch, "seed": a.seed,
+                       "target": a.target, "rate": a.rate, "tbf_latency": a.latency, "tbf_burst": a.burst,
+                       "quick": a.quick, "model": "MNIST1DCNN(channels=64)", "data": "MNIST-1D 8000/2000",
+                       "ddp_powersgd_start_iter": a.ddp_powersgd_start,
+                       "slow_rank": a.slow_rank if a.slow_factor > 1.0 else None, "slow_factor": a.slow_factor},
+            "notes": ["bytes_sent_per_step: payload bytes one rank hands to the collectives per step (mean over ranks)",
+                      "ms_per_step and time_to_target: training wall-clock only (test evaluation and start-up excluded)",
+                      "one tbf shaper on the namespace loopback is shared by all ranks: --rate is the aggregate link",
+                      "DDP comm wait: from the last bucket hook call to the end of backward()",
+                      "DDP PowerSGD bytes/step average all steps, including the first start_powerSGD_iter "
+                      "uncompressed ones"]}
+    entries = []
+    plans = [plan(m, a, workdir) for m in methods]
+    if a.dry_run:
+        for p in plans:
+            if "cmd" in p:
+                print(" ".join(f"{k}={shlex.quote(v)}" for k, v in p["env"].items()), " ".join(
+                    shlex.quote(c) for c in common.shaped_prefix(a.rate, a.latency, a.burst) + p["cmd"]))
+            else:
+                print(f"# {p['method']}: skipped ({p['reason']})")
+        return None
+    steps_total = (8000 // (a.batch * a.ranks)) * a.epochs
+    timeout = a.timeout or (120 + 0.5 * steps_total)
+    print(f"compare: {len(methods)} methods, {a.ranks} ranks x {a.epochs} epochs ({steps_total} steps), "
+          f"loopback {a.rate} (tbf latency {a.latency}); output {out}.*", flush=True)
+    outer = tqdm(total=len(plans), desc="methods", unit="method", position=0, dynamic_ncols=True)
+    ref = None
+    try:
+        for i, p in enumerate(plans, 1):
+            e = {k: v for k, v in p.items() if k not in ("cmd", "json", "steps_log", "env")}
+            if "cmd" not in p:
+                entries.append(e)
+                outer.write(one_line(i, len(plans), e, a))
+                outer.update(1)
+                continue
+            cmd = common.shaped_prefix(a.rate, a.latency, a.burst) + p["cmd"]
+            e["cmd"] = " ".join(f"{k}={shlex.quote(v)}" for k, v in p["env"].items()) + " " + \
+                " ".join(shlex.quote(c) for c in cmd)
+            for f in (p["json"], Path(str(p["steps_log"]) + ".rank0")):
+                f.unlink(missing_ok=True)
+            counter = common.LineCounter(Path(str(p["steps_log"]) + ".rank0"))
+            inner = tqdm(total=steps_total, desc=p["method"][:30], unit="step", position=1, leave=False,
+                         dynamic_ncols=True)
+
+            def progress(counter=counter, inner=inner):
+                n = min(counter(), steps_total)
+                if n > inner.n:
+                    inner.update(n - inner.n)
+
+            e["loadavg_before"] = common.loadavg()
+            res = common.run_job(cmd, workdir / f"{common.slug(p['method'])}.log", timeout, progress, env=p["env"])
+            inner.close()
+            e["loadavg_after"] = common.loadavg()
+            e["wall_s"] = res["wall_s"]
+            e["log"] = str((workdir / f"{common.slug(p['method'])}.log").relative_to(ROOT)) \
+                if str(workdir).startswith(str(ROOT)) else str(workdir / f"{common.slug(p['method'])}.log")
+            if res["rc"] == 0 and p["json"].exists():
+                e["status"] = "ok"
+                e["result"] = json.loads(p["json"].read_text())
+                for r_ in range(a.ranks):
+                    Path(f"{p['steps_log']}.rank{r_}").unlink(missing_ok=True)
+                summarize(e, a)
+                if p["method"] == REFERENCE:
+                    ref = e
+                if ref is not None:
+                    add_ratios([ref, e])
+                    e["vs_horovod_live"] = e.pop("vs_horovod")
+            else:
+                e["status"] = "failed"
+                why = "timed out" if res["timed_out"] else f"exit {res['rc']}"
+                e["reason"] = f"{why}; log tail: " + " | ".join(res["tail"].splitlines()[-4:])
+            entries.append(e)
+            outer.write(one_line(i, len(plans), e, a))
+            outer.update(1)
+            write_outputs(out, meta, entries, a, partial=True)
+    except KeyboardInterrupt:
+        outer.write("compare: interrupted; writing what finished")
+    finally:
+        outer.close()
+    for e in entries:
+        e.pop("vs_horovod_live", None)
+    return write_outputs(out, meta, entries, a, partial=False)
+
+
+def write_outputs(out: Path, meta, entries, a, partial: bool):
+    add_ratios(entries)
+    doc = {**meta, "partial": partial, "methods": entries}
+    doc["machine"]["loadavg_end"] = common.loadavg()
+    common.write_json(Path(str(out) + ".json"), doc)
+    md = markdown(doc)
+    Path(str(out) + ".md").write_text(md)
+    if not partial:
+        doc["plots"] = plots(doc, out)
+        common.write_json(Path(str(out) + ".json"), doc)
+        print()
+        print(md)
+        print(f"wrote {out}.json, {out}.md, " + ", ".join(doc["plots"]))
+    return doc
+
+
+def markdown(doc) -> str:
+    cfg = doc["config"]
+    tgt = f"{100 * cfg['target']:.0f}%"
+    hdr = ["method", "framework", "final acc", "ms/step", "speed-up vs hvd", "comm wait ms/step", "bytes/step",
+           "bytes fewer vs hvd", f"time to {tgt} (s)", f"speed-up to {tgt}", "exchanges/epoch"]
+    rows = []
+    skipped = []
+    for e in doc["methods"]:
+        if e["status"] != "ok":
+            skipped.append(e)
+            continue
+        r, v = e["result"], e.get("vs_horovod") or {}
+        x = lambda k: fmt(v.get(k), ".2f", "x")  # noqa: E731
+        rows.append([f"`{e['method']}`", e["framework"], fmt(100 * r["test_acc"], ".2f", "%"),
+                     fmt(r["ms_per_step"], ".2f"), x("speedup_ms_per_step"), fmt(r.get("comm_wait_ms_per_step"), ".2f"),
+                     fmt_bytes(r["bytes_sent_per_step"]), fmt(v.get("bytes_fewer"), ".1f", "x"),
+                     fmt(e["time_to_target_s"], ".1f") if e["time_to_target_s"] is not None else "not reached",
+                     x("speedup_time_to_target"), fmt(e.get("exchanges_per_epoch"), ".1f")])
+    lines = [f"{cfg['ranks']} ranks x {cfg['epochs']} epochs, MNIST-1D CNN, loopback shaped to {cfg['rate']} "
+             f"(tbf latency {cfg['tbf_latency']}); ratios against plain Horovod (`horovod`: hvd.DistributedOptimizer itself) in the same run.", "",
+             "| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    if skipped:
+        lines += ["", "Not measured:", ""]
+        lines += [f"- `{e['method']}`: {e['status']} — {e.get('reason', '')}" for e in skipped]
+    acc = [e for e in doc["methods"] if e["status"] == "ok"]
+    if acc:
+        lines += ["", "Test accuracy per epoch (cumulative training seconds):", ""]
+        n = max(len(e["result"]["history"]) for e in acc)
+        lines += ["| method | " + " | ".join(f"ep {i + 1}" for i in range(n)) + " |", "|" + "---|" * (n + 1)]
+        for e in acc:
+            cells = [f"{100 * h['test_acc']:.1f}% @ {h['train_time_s']:.1f}s" for h in e["result"]["history"]]
+            lines.append(f"| `{e['method']}` | " + " | ".join(cells + [""] * (n - len(cells))) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(doc, out: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [e for e in doc["methods"] if e["status"] == "ok"]
+    if not ok:
+        return []
+    cfg = doc["config"]
+    files = []
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for e in ok:
+        h = e["result"]["history"]
+        style = "--" if e["framework"] != "horovod+hvd_ext" else "-"
+        ax.plot([x["train_time_s"] for x in h], [100 * x["test_acc"] for x in h], style, marker="o", ms=3,
+                label=e["method"])
+    ax.axhline(100 * cfg["target"], color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("training wall-clock (s)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"MNIST-1D CNN, {cfg['ranks']} ranks, loopback {cfg['rate']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    f = Path(str(out) + "_acc_vs_time.png")
+    fig.savefig(f, dpi=110)
+    plt.close(fig)
+    files.append(str(f))
+
+    fig, ax = plt.subplots(figsize=(8, max(3, 0.35 * len(ok) + 1)))
+    names = [e["method"] for e in ok]
+    vals = [e["result"]["bytes_sent_per_step"] for e in ok]
+    colors = ["tab:grey" if e["framework"] != "horovod+hvd_ext" else "tab:blue" for e in ok]
+    ax.barh(names, vals, color=colors)
+    ax.set_xscale("log")
+    ax.invert_yaxis()
+    for y, v in enumerate(vals):
+        ax.text(v, y, " " + fmt_bytes(v), va="center", fontsize=7)
+    ax.set_xlabel("bytes sent per step per rank (log scale)")
+    ax.set_title("Payload per step (grey: Horovod / DDP peers)")
+    fig.tight_layout()
+    f = Path(str(out) + "_bytes.png")
+    fig.savefig(f, dpi=110)
+    plt.close(fig)
+    files.append(str(f))
+    return files
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    t0 = time.perf_counter()
+    doc = run(a)
+    if doc is not None:
+        print(f"compare: done in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
