@@ -69,7 +69,7 @@ def main(argv=None):
     for label, args, launcher, target, issue in recipes:
         js = work / f"{common.slug(label)}.json"
         js.unlink(missing_ok=True)
-        cmd = common.hvd_launcher(a.ranks, launcher) + [str(ROOT / "scripts" / "train.py"), *args,
+        cmd = common.hvd_launcher(a.ranks, launcher) + [common.PY, str(ROOT / "scripts" / "train.py"), *args,
                                                         "--no-progress", "--json", str(js)]
         t0 = time.time()
         res = common.run_job(cmd, work / f"{common.slug(label)}.log", a.timeout)

@@ -153,13 +153,17 @@ def test_compare_plans_and_skips_unregistered():
 
     a = compare.parse_args(["--quick", "--methods", "nosuchcodec:ratio=0.1", "topk:ratio=5", "fp16"])
     methods = compare.method_list(a)
-    assert methods[:4] == ["none", "fp16", "ddp", "ddp-powersgd:rank=2"]
+    assert methods[:5] == ["horovod", "horovod:fp16", "none", "ddp", "ddp-powersgd:rank=2"]
     assert methods.count("fp16") == 1
     plans = {m: compare.plan(m, a, Path("/tmp")) for m in methods}
     assert plans["nosuchcodec:ratio=0.1"]["status"] == "skipped"
     assert "not registered" in plans["nosuchcodec:ratio=0.1"]["reason"]
     assert plans["topk:ratio=5"]["status"] == "skipped"
     assert "--gloo" in plans["none"]["cmd"]
+    # the reference is Horovod's own optimizer, not hvd_ext's uncompressed path
+    assert "--plain-horovod" in plans["horovod"]["cmd"] and "--plain-horovod" not in plans["none"]["cmd"]
+    i = plans["horovod:fp16"]["cmd"].index("--compression")
+    assert plans["horovod:fp16"]["cmd"][i + 1] == "fp16"
     assert "torchrun" in plans["ddp"]["cmd"][0] and "--hook" in plans["ddp-powersgd:rank=2"]["cmd"]
     i = plans["ddp-powersgd:rank=2"]["cmd"].index("--rank")
     assert plans["ddp-powersgd:rank=2"]["cmd"][i + 1] == "2"
@@ -170,7 +174,7 @@ def test_time_to_target_and_ratios():
 
     a = compare.parse_args(["--target", "0.9"])
     hist = [{"epoch": 1, "test_acc": 0.5, "train_time_s": 2.0}, {"epoch": 2, "test_acc": 0.92, "train_time_s": 4.0}]
-    ref = {"method": "none", "framework": "horovod", "status": "ok", "result": {"history": hist, "ms_per_step": 10.0, "bytes_sent_per_step": 1000,
+    ref = {"method": "horovod", "framework": "horovod", "status": "ok", "result": {"history": hist, "ms_per_step": 10.0, "bytes_sent_per_step": 1000,
                                                           "test_acc": 0.92, "epochs": 2, "exchanges": 250}}
     fast = {"method": "x", "framework": "horovod+hvd_ext", "status": "ok", "result": {"history": [dict(h, train_time_s=h["train_time_s"] / 2) for h in hist],
                                                        "ms_per_step": 5.0, "bytes_sent_per_step": 10, "test_acc": 0.92,
