@@ -58,6 +58,8 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "convergence"))
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per job")
+    p.add_argument("--reuse", action="store_true",
+                   help="use a recipe's result JSON left in the logs folder by an earlier run instead of rerunning it")
     a = p.parse_args(argv)
     out = Path(a.out)
     work = out.parent / (out.name + "_logs")
@@ -68,11 +70,15 @@ def main(argv=None):
     rows = []
     for label, args, launcher, target, issue in recipes:
         js = work / f"{common.slug(label)}.json"
-        js.unlink(missing_ok=True)
-        cmd = common.hvd_launcher(a.ranks, launcher) + [common.PY, str(ROOT / "scripts" / "train.py"), *args,
-                                                        "--no-progress", "--json", str(js)]
+        reuse = a.reuse and js.exists()
+        if not reuse:
+            js.unlink(missing_ok=True)
+        # unshaped: MPI jobs keep OpenMPI's default transports (shared memory on one node)
+        prefix = (["mpirun", "-np", str(a.ranks), "--bind-to", "none"] if launcher == "mpi"
+                  else common.hvd_launcher(a.ranks, launcher))
+        cmd = prefix + [common.PY, str(ROOT / "scripts" / "train.py"), *args, "--no-progress", "--json", str(js)]
         t0 = time.time()
-        res = common.run_job(cmd, work / f"{common.slug(label)}.log", a.timeout)
+        res = {"rc": 0, "tail": ""} if reuse else common.run_job(cmd, work / f"{common.slug(label)}.log", a.timeout)
         row = {"method": label, "issue": issue, "args": args, "launcher": launcher, "target": target,
                "wall_s": time.time() - t0, "command": "horovodrun -np %d %spython scripts/train.py %s" % (
                    a.ranks, "--mpi " if launcher == "mpi" else "", " ".join(args))}
@@ -95,6 +101,10 @@ def main(argv=None):
                   f"exchanges {row['exchanges']}", flush=True)
         else:
             print(f"{label:45s} FAILED: {row['reason'][:200]}", flush=True)
+    if a.only and out.with_suffix(".json").exists():  # a partial run updates its rows of the last full one
+        old = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+        old.update({r["method"]: r for r in rows})
+        rows = [old[r[0]] for r in RECIPES if r[0] in old]
     doc = {"machine": common.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "ranks": a.ranks,
            "rows": rows}
     common.write_json(out.with_suffix(".json"), doc)

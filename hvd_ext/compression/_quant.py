@@ -40,3 +40,23 @@ def padded_view(flat: torch.Tensor, chunk: int, fill: float = 0.0) -> torch.Tens
     out = torch.full((k * c,), fill, dtype=flat.dtype, device=flat.device)
     out[:n] = flat
     return out.view(k, c)
+
+
+def chunk_counts(n: int, chunk: int, device=None) -> torch.Tensor:
+    """Elements in each chunk of ``padded_view(flat, chunk)`` (the last one may be short), float32."""
+    size = chunk if chunk > 0 else max(n, 1)
+    k = chunks(n, chunk)
+    counts = torch.full((k,), float(size), device=device)
+    if k:
+        counts[-1] = n - size * (k - 1)
+    return counts
+
+
+def chunk_means(values: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Mean of each chunk of ``chunk`` consecutive elements of the flat ``values``."""
+    return padded_view(values, chunk).sum(1) / chunk_counts(values.numel(), chunk, values.device)
+
+
+def expand_chunks(per_chunk: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
+    """Repeat one value per chunk back to ``n`` elements."""
+    return per_chunk.repeat_interleave(chunk if chunk > 0 else n)[:n]

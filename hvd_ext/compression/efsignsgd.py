@@ -17,24 +17,10 @@ from __future__ import annotations
 import torch
 
 from ..options import Option, non_negative
-from ._quant import chunks, padded_view
+from ._quant import chunk_means, chunks, expand_chunks
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
 from .signsgd import bits_to_sign, sign_bits
-
-
-def chunk_means(values: torch.Tensor, n: int, bucket: int) -> torch.Tensor:
-    """Mean of each chunk of ``bucket`` elements of the flat ``values`` (the last one may be short)."""
-    view = padded_view(values, bucket)
-    size = view.shape[1]
-    counts = torch.full((view.shape[0],), float(size), device=values.device)
-    counts[-1] = n - size * (view.shape[0] - 1)
-    return view.sum(1) / counts
-
-
-def expand(per_chunk: torch.Tensor, n: int, bucket: int) -> torch.Tensor:
-    size = bucket if bucket > 0 else n
-    return per_chunk.repeat_interleave(size)[:n]
 
 
 @register("efsignsgd")
@@ -49,7 +35,7 @@ class EFSignSGDCompressor(Compressor):
         n = flat.numel()
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device), None
-        scales = chunk_means(flat.abs(), n, self.bucket)
+        scales = chunk_means(flat.abs(), self.bucket)
         return as_bytes(scales, sign_bits(flat)), None
 
     def decode(self, data, ctx, info):
@@ -57,7 +43,7 @@ class EFSignSGDCompressor(Compressor):
         if n == 0:
             return torch.zeros(0, device=data.device)
         s, off = from_bytes(data, 0, torch.float32, chunks(n, self.bucket))
-        return bits_to_sign(data[off:], n) * expand(s, n, self.bucket)
+        return bits_to_sign(data[off:], n) * expand_chunks(s, n, self.bucket)
 
     def wire_bytes(self, numel):
         return (4 * chunks(numel, self.bucket) + packed_bytes(numel, 1)) if numel else 0

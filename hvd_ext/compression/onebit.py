@@ -18,7 +18,7 @@ import torch
 
 from .. import kernels as _K
 from ..options import Option, non_negative
-from ._quant import chunks, padded_view
+from ._quant import chunk_counts, chunks, padded_view
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
 
@@ -38,9 +38,7 @@ class OneBitCompressor(Compressor):
         pos = flat >= 0
         view = padded_view(flat, self.bucket)
         pview = padded_view(pos, self.bucket, False)
-        size = view.shape[1]
-        counts = torch.full((view.shape[0],), float(size), device=flat.device)
-        counts[-1] = n - size * (view.shape[0] - 1)
+        counts = chunk_counts(n, self.bucket, flat.device)
         npos = pview.sum(1).float()
         sp = torch.where(pview, view, torch.zeros_like(view)).sum(1)
         sn = view.sum(1) - sp

@@ -43,7 +43,20 @@ LOCAL_OPTIONS = {
 }
 
 
-class LocalSGD:
+class _NoSharedState:
+    """Strategies without process-wide state (no parameter server): nothing to close or share."""
+
+    def close(self) -> None:
+        pass
+
+    def shared_state_dict(self):
+        return None
+
+    def load_shared_state_dict(self, sd) -> None:
+        pass
+
+
+class LocalSGD(_NoSharedState):
     """Average parameters every ``period`` steps with one fused allreduce (see module doc)."""
 
     name = "local"
@@ -143,15 +156,6 @@ class LocalSGD:
         """Parameter averages + gradient-exchange steps made by this rank."""
         return self.syncs + self.grad_steps
 
-    def close(self) -> None:
-        pass
-
-    def shared_state_dict(self):
-        return None
-
-    def load_shared_state_dict(self, sd) -> None:
-        pass
-
     # ---- checkpoint ------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return {"kind": self.name, "steps": self.steps, "since_sync": self.since_sync, "syncs": self.syncs,
@@ -166,7 +170,7 @@ class LocalSGD:
         self._set_mode()
 
 
-class EverySync:
+class EverySync(_NoSharedState):
     """``--sync every``: plain data parallel; the optimizer exchanges gradients each step."""
 
     name = "every"
@@ -198,15 +202,6 @@ class EverySync:
     @property
     def exchanges(self) -> int:
         return self.stats.exchanges
-
-    def close(self) -> None:
-        pass
-
-    def shared_state_dict(self):
-        return None
-
-    def load_shared_state_dict(self, sd) -> None:
-        pass
 
     def state_dict(self):
         return {"kind": "every", "steps": self.steps}
