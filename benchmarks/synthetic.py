@@ -43,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 from common import ROOT, fmt, fmt_bytes  # noqa: E402
 
-DEFAULT_METHODS = ["horovod", "horovod-fp16", "topk:ratio=0.01", "powersgd:rank=4", "ddp", "ddp-powersgd:rank=4"]
+# ddp-powersgd is not in the default list: on the 10.7M-parameter net its job stalled (no CPU use, no
+# progress for > 5 min, even unshaped) and was not debugged; it runs in compare.py on the CNN.
+DEFAULT_METHODS = ["horovod", "horovod-fp16", "topk:ratio=0.01", "powersgd:rank=4", "ddp"]
 QUICK_METHODS = ["horovod", "horovod-fp16", "topk:ratio=0.01", "ddp"]
 DEFAULT_NETS = ["100mbit", "1gbit", "unshaped"]
 
