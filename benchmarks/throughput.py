@@ -81,7 +81,6 @@ def main(argv=None):
     for size in a.sizes:
         n = parse_size(size)
         side = int(n ** 0.5)
-        gen = torch.Generator().manual_seed(0)
         grad = torch.distributions.Laplace(0.0, 1e-3).sample((n,)).to(device)
         grad2d = grad[: side * side].reshape(side, side)
         for spec in a.methods:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from typing import Any, Dict, Optional
+from typing import Optional
 
 import torch
 

@@ -12,7 +12,6 @@ switch sends everything back to the torch path (bit-identical to plain CPU).
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -124,17 +123,10 @@ def test_dispatcher_launches_kernel_for_gpu_tensors_unless_forced(monkeypatch, k
 
 
 def test_environment_switch_forces_reference(monkeypatch):
-    old = os.environ.get("HVD_EXT_KERNELS")
-    os.environ["HVD_EXT_KERNELS"] = "reference"
-    try:
-        spec = importlib.util.spec_from_file_location("_hvd_ext_kernels_env", ROOT / "hvd_ext" / "kernels.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        if old is None:
-            os.environ.pop("HVD_EXT_KERNELS")
-        else:
-            os.environ["HVD_EXT_KERNELS"] = old
+    monkeypatch.setenv("HVD_EXT_KERNELS", "reference")  # read at import: load a fresh copy
+    spec = importlib.util.spec_from_file_location("_hvd_ext_kernels_env", ROOT / "hvd_ext" / "kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     _pretend_gpu(monkeypatch, mod)
     _raising_launcher(monkeypatch, mod)
     assert mod.backend(torch.zeros(1)) == "reference"

@@ -6,7 +6,6 @@ GPU tests need a CUDA device and CuPy; elsewhere they are skipped with the reaso
 from __future__ import annotations
 
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -104,24 +103,17 @@ def test_kernel_dir_env_override(tmp_path, monkeypatch):
     assert K.kernel_dir() in (KDIR.resolve(), (ROOT / "hvd_ext" / "_cu").resolve())
 
 
-def test_dispatch_switches():
+def test_dispatch_switches(monkeypatch):
     x = torch.zeros(4)
     assert K.backend(x) == "reference"
     K.use_reference(True)
     assert K.backend(x) == "reference"
     # the environment switch is read at import: load a fresh copy of the module with it set
     import importlib.util
-    old = os.environ.get("HVD_EXT_KERNELS")
-    os.environ["HVD_EXT_KERNELS"] = "reference"
-    try:
-        spec = importlib.util.spec_from_file_location("_hvd_ext_kernels_copy", ROOT / "hvd_ext" / "kernels.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        if old is None:
-            os.environ.pop("HVD_EXT_KERNELS")
-        else:
-            os.environ["HVD_EXT_KERNELS"] = old
+    monkeypatch.setenv("HVD_EXT_KERNELS", "reference")
+    spec = importlib.util.spec_from_file_location("_hvd_ext_kernels_copy", ROOT / "hvd_ext" / "kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     assert mod._force_reference is True
     assert mod.backend(torch.zeros(1)) == "reference"
 

@@ -1,5 +1,4 @@
 """DistributedOptimizer on 2 real Horovod ranks (Gloo controller, MPI controller, plain mpirun)."""
-import sys
 
 import pytest
 

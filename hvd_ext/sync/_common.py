@@ -3,7 +3,7 @@ allreduce (one Horovod collective on one flat buffer), argument checks and stats
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 

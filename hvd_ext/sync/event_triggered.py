@@ -44,7 +44,6 @@ import math
 import time
 from typing import Any, Dict, Optional
 
-import numpy as np
 import torch
 
 from ..options import Option

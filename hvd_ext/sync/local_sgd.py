@@ -24,10 +24,7 @@ ranks agree (DESIGN.md, rule of consistency).
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Dict, Optional
-
-import torch
 
 from ..options import Option
 from ._common import FlatState, allreduce_average, check_optimizer_model, is_distributed_optimizer, resolve, stats_for
