@@ -14,18 +14,9 @@ from ..options import parse_spec
 from .base import Compressor, Continue, TensorInfo, register, registry
 
 # One module per compressor; importing registers it.
-from . import none, fp16, bf16, randomk  # noqa: F401,E401
-
-# Optional families (imported when present; each registers itself).
-import importlib as _importlib
-
-for _mod in ("topk", "threshold", "dgc", "sig", "qsgd", "terngrad", "signsgd", "efsignsgd", "signum",
-             "onebit", "natural", "int8", "powersgd", "qdist"):
-    try:
-        _importlib.import_module(f"{__name__}.{_mod}")
-    except ModuleNotFoundError as _e:  # module not written yet
-        if _e.name != f"{__name__}.{_mod}":
-            raise
+from . import none, fp16, bf16, randomk  # noqa: F401,E401  (foundation)
+from . import topk, threshold, dgc, sig  # noqa: F401,E401  (sparsification)
+from . import qsgd, terngrad, signsgd, efsignsgd, signum, onebit, natural, int8, powersgd, qdist  # noqa: F401,E401
 
 
 def list_compressors() -> List[str]:
