@@ -48,7 +48,7 @@ def one_round(comp, grad, step, device):
     shape = grad.shape
     infos = [TensorInfo(name="g", shape=shape, step=step, rank=r, size=2) for r in range(2)]
     for i in infos:
-        i.extra["scale"] = 0.5
+        i.scale = 0.5
     t0 = time.perf_counter()
     payload, ctx = comp.compress(grad, infos[0])
     if comp.exchange == "allgather":

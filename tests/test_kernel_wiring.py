@@ -208,7 +208,7 @@ def _run(spec, nranks=3, steps=2, device="cpu"):
                 ir = TensorInfo(name=info.name, shape=info.shape, step=step, rank=r, size=nranks, param=info.param)
                 p, ctx = comp.compress(u if r == 0 else u * (1 - 0.3 * r), ir)
                 if r == 0:
-                    info.extra.update(ir.extra)
+                    info.sparse_indices = ir.sparse_indices
                 payloads.append(p)
             agg = comp.aggregate(payloads, None, info)
             res = fb.adjust(info.name, agg / nranks, info, comp.support(payloads, None, info))

@@ -39,7 +39,7 @@ def sim_step(comps, step, grads, params=None, scale=None):
             g = grads[r][name]
             info = TensorInfo(name=name, shape=g.shape, step=step, rank=r, size=n,
                               param=None if params is None else params[name])
-            info.extra["scale"] = scale
+            info.scale = scale
             comp_items.append((name, info, fb.compensate(name, g.float(), info)))
         if hasattr(c, "prepare_bucket"):
             c.prepare_bucket([(u, info) for _, info, u in comp_items])

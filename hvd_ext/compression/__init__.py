@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 
 from ..feedback import registry as feedback_registry
 from ..options import parse_spec
-from .base import Compressor, Continue, TensorInfo, register, registry
+from .base import ROUTE_CHOICES, Compressor, Continue, TensorInfo, register, registry
 
 # One module per compressor; importing registers it.
 from . import none, fp16, bf16, randomk  # noqa: F401,E401  (foundation)
@@ -60,6 +60,12 @@ def compression_from_spec(spec: str) -> Compressor:
     if name not in reg:
         raise ValueError(f"unknown compressor {name!r} in spec {spec!r}; accepted: {', '.join(sorted(reg))}")
     cls = reg[name]
+    route = kv.pop("exchange", "auto").strip().lower()
+    accepted_routes = ("auto",) if cls.exchange == "allreduce" else ROUTE_CHOICES
+    if route not in accepted_routes:
+        raise ValueError(f"bad value {route!r} for 'exchange' in spec {spec!r}: compressor '{name}' accepts "
+                         f"{', '.join(accepted_routes)} (allgather: every rank receives every payload; twophase: "
+                         "shards reduced by their owner, bytes per rank flat in N; auto: chosen by the cost model)")
     fb_name = kv.pop("feedback", cls.default_feedback).strip().lower()
     fbs = feedback_registry()
     if fb_name not in fbs:
@@ -69,10 +75,15 @@ def compression_from_spec(spec: str) -> Compressor:
     fb_kw = {k: v for k, v in kv.items() if k in fb_cls.options and k not in cls.options}
     unknown = sorted(set(kv) - set(comp_kw) - set(fb_kw))
     if unknown:
-        accepted = sorted(set(cls.options) | set(fb_cls.options) | {"feedback"})
+        accepted = (sorted(set(cls.options) | set(fb_cls.options) | {"feedback"})
+                    + (["exchange"] if cls.exchange != "allreduce" else []))
         raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))} in spec {spec!r} "
                          f"(compressor '{name}', feedback '{fb_name}'); accepted: {', '.join(accepted)}")
     comp = cls(**comp_kw)
+    if comp.exchange == "allreduce" and route != "auto":  # randomk:shared=1
+        raise ValueError(f"bad value {route!r} for 'exchange' in spec {spec!r}: '{name}' with these options rides "
+                         "on allreduce; accepted: auto")
+    comp.route = route
     comp.feedback = make_feedback(fb_name, comp, **fb_kw)
     return comp
 

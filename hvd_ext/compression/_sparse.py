@@ -248,6 +248,7 @@ class SparseCompressor(Compressor):
     exchange = "allgather"
     default_feedback = "residual"
     fixed_size = False
+    sparse = True
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -290,8 +291,11 @@ class SparseCompressor(Compressor):
         idx = self._plan.pop((info.name, info.step), None)
         if idx is None:
             idx = self.select(flat, info)
-        info.extra["sparse_indices"] = idx
+        info.sparse_indices = idx
         return pack(idx, flat[idx], flat.numel(), self.value_dtype), None
+
+    def sparse_entries(self, payload, ctx, info):
+        return unpack(payload, info.numel, self.value_dtype)
 
     def decode(self, data, ctx, info):
         idx, val = unpack(data, info.numel, self.value_dtype)

@@ -23,7 +23,7 @@ module, memory and communication kept apart).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 
 import torch
@@ -31,6 +31,8 @@ import torch
 from ..options import Option, resolve_options
 
 EXCHANGES = ("allreduce", "allgather")
+# How an allgather codec's bucket travels (spec key ``exchange=``; see hvd_ext.exchange.routes).
+ROUTE_CHOICES = ("auto", "allgather", "twophase")
 
 
 @dataclass
@@ -40,6 +42,12 @@ class TensorInfo:
     All of it is identical on every rank (names, shapes, the step counter), so
     decisions taken from it are consistent -- except ``param`` which is the
     local parameter value (identical across ranks under synchronous training).
+
+    ``scale`` is the factor the exchange applies to the sum over ranks (1/N for
+    Average; None when unknown, read as 1/N). ``sparse_indices`` is set by
+    sparse compressors to the coordinates they selected (DGC masking reads it).
+    ``base_name`` names the whole tensor when ``name`` names one shard of it
+    (two-phase exchange): per-layer decisions (qdist bit budgets) use it.
     """
 
     name: str
@@ -48,7 +56,13 @@ class TensorInfo:
     rank: int = 0
     size: int = 1
     param: Optional[torch.Tensor] = None
-    extra: Dict[str, Any] = field(default_factory=dict)
+    scale: Optional[float] = None
+    sparse_indices: Optional[torch.Tensor] = None
+    base_name: Optional[str] = None
+
+    def __post_init__(self):
+        if self.base_name is None:
+            self.base_name = self.name
 
     @property
     def numel(self) -> int:
@@ -78,12 +92,17 @@ class Compressor:
     accepted_feedback: ClassVar[Optional[Tuple[str, ...]]] = None
     # True when every rank's payload has the same size for a given tensor.
     fixed_size: ClassVar[bool] = True
+    # Index+value codecs: scale out by sparse reduce-scatter (hvd_ext.exchange.sparse_rs).
+    sparse: ClassVar[bool] = False
+    # Two-phase exchange: the shard owner keeps an error-feedback memory of its re-compression.
+    owner_feedback: ClassVar[bool] = True
 
     def __init__(self, **kwargs):
         self.opts = resolve_options(f"compressor '{self.name}'", self.options, kwargs)
         for k, v in self.opts.items():
             setattr(self, k, v)
         self.feedback = None  # set by compression_from_spec / DistributedOptimizer
+        self.route = "auto"   # spec key exchange=: auto | allgather | twophase
         self.validate()
 
     def validate(self) -> None:
@@ -111,6 +130,17 @@ class Compressor:
             dense = self.decode(d, ctx, info)
             out = dense.clone() if out is None else out.add_(dense)
         return out
+
+    def recompress(self, tensor: torch.Tensor, info: TensorInfo) -> Tuple[torch.Tensor, Any]:
+        """allgather codecs, two-phase exchange: compress the averaged shard at its owner.
+        Default: ``compress`` (stateful codecs override it to skip their per-worker state)."""
+        return self.compress(tensor, info)
+
+    def sparse_entries(self, payload: torch.Tensor, ctx: Any, info: TensorInfo) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Sparse codecs: (int64 indices, float32 values) of one payload. Default: decode, keep non-zeros."""
+        dense = self.decode(payload, ctx, info)
+        idx = dense.nonzero().squeeze(1)
+        return idx, dense[idx]
 
     def support(self, datas: List[torch.Tensor], ctx: Any, info: TensorInfo) -> Optional[torch.Tensor]:
         """allgather codecs: boolean mask (flat) of coordinates some rank sent, or None if unknown.
@@ -150,6 +180,8 @@ class Compressor:
 
     def spec(self) -> str:
         items = [f"{k}={v}" for k, v in self.opts.items() if v != self.options[k].default]
+        if getattr(self, "route", "auto") != "auto":
+            items.append(f"exchange={self.route}")
         fb = getattr(self, "feedback", None)
         if fb is not None:
             if fb.name != self.default_feedback:

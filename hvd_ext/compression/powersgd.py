@@ -120,7 +120,7 @@ class PowerSGDCompressor(Compressor):
         if ctx[0] == "dense":
             return payload.reshape(info.shape)
         # result = scale * sum over ranks of the approximation; this rank's share is the mean
-        f = info.extra.get("scale") if info.extra else None
+        f = info.scale
         if f and info.size:
             k = f * info.size
             return result if k == 1 else result / k

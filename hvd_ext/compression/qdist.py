@@ -223,7 +223,7 @@ class QDistCompressor(Compressor):
         return dist, float(mu), float(sigma), float(t)
 
     def bits_for(self, info) -> int:
-        got = self._alloc.get(info.name)
+        got = self._alloc.get(getattr(info, "base_name", None) or info.name)
         if got is not None and got[0] == info.step:
             return got[1]
         if self.budget:

@@ -37,6 +37,7 @@ def count_for(ratio: float, numel: int) -> int:
 @register("randomk")
 class RandomKCompressor(Compressor):
     exchange = "allgather"
+    sparse = True
     default_feedback = "residual"
     options = {
         "ratio": Option(float, 0.01, "0 < ratio <= 1", fraction, help="fraction of coordinates sent"),
@@ -76,6 +77,9 @@ class RandomKCompressor(Compressor):
         idx, off = from_bytes(data, 0, torch.int32, k)
         val, _ = from_bytes(data, off, torch.float32, k)
         return idx.long(), val
+
+    def sparse_entries(self, payload, ctx, info):
+        return self._split(payload)
 
     def decode(self, data, ctx, info):
         idx, val = self._split(data)

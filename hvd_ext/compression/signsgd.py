@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels as _K
+from . import _quant
 from .base import Compressor, register
 from .bitpack import packed_bytes
 
@@ -53,9 +54,20 @@ class MajorityVote(Compressor):
     """Sign bits out, majority vote in."""
 
     exchange = "allgather"
+    owner_feedback = False  # the owner's vote is already a sign: nothing to remember
 
     def _vector(self, tensor, info):
         return tensor.reshape(-1).float()
+
+    def recompress(self, tensor, info):
+        """Two-phase exchange: the owner re-sends its shard's vote as plain signs; a tied vote (0)
+        becomes a seeded fair coin, so the shard stays unbiased where one bit cannot say 0."""
+        v = tensor.reshape(-1).float()
+        ties = v == 0
+        if bool(ties.any()):
+            coin = torch.rand(v.numel(), generator=_quant.generator(0, info.step, info.name, info.rank)) < 0.5
+            v = torch.where(ties, torch.where(coin.to(v.device), 1.0, -1.0), v)
+        return sign_bits(v), None
 
     def compress(self, tensor, info):
         return sign_bits(self._vector(tensor, info)), None

@@ -9,7 +9,7 @@ Per tensor, worker-local (the default feedback of ``dgc``)::
     after the exchange, on the sent coordinates:  v <- v - sent (= 0),  u <- 0   (masking)
 
 so sent + v_new = v exactly. The sent set is the compressor's
-``info.extra["sparse_indices"]`` when it provides one, else ``sent != 0``.
+``info.sparse_indices`` when it provides one, else ``sent != 0``.
 The memory holds u and v per tensor; with ``momentum=0`` and no clipping this
 is plain residual feedback. Use the outer optimizer without momentum.
 """
@@ -28,7 +28,7 @@ _V = "\x00dgc_v"
 
 
 def sent_mask(sent: torch.Tensor, info) -> torch.Tensor:
-    idx = info.extra.get("sparse_indices") if info is not None else None
+    idx = info.sparse_indices if info is not None else None
     flat = sent.reshape(-1)
     if idx is None:
         return flat != 0

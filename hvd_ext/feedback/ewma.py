@@ -29,7 +29,7 @@ and smooths the per-step estimate G_j / a_j instead:
 ``S_j <- beta * S_j + (1 - beta) * G_j / a_j`` on j in Omega, then a_j <- 0.
 ``rate=0`` smooths G_j as written above.
 
-sigma comes from ``info.extra["scale"]`` (set by the pipeline), else 1/N.
+sigma comes from ``info.scale`` (set by the pipeline), else 1/N.
 Without a support mask from the compressor, Omega = {G != 0}. ``lambda=0`` is
 exactly residual error feedback. S is part of the state dict.
 
@@ -74,7 +74,7 @@ class EWMAFeedback(Feedback):
     def share_factor(self, info) -> float:
         """c = 1 / (sigma * N): how much of the prediction each worker's residual pays."""
         n = max(int(getattr(info, "size", 1)), 1)
-        sigma = float(info.extra.get("scale", 1.0 / n)) if info is not None else 1.0 / n
+        sigma = float(info.scale) if info is not None and info.scale is not None else 1.0 / n
         return 1.0 / (sigma * n)
 
     def adjust(self, name, result, info, support=None):

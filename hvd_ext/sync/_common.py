@@ -2,11 +2,11 @@
 allreduce (one Horovod collective on one flat buffer), argument checks and stats plumbing."""
 from __future__ import annotations
 
-import time
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
+from ..exchange import Exchange
 from ..options import Option, resolve_options
 from ..stats import CommStats
 
@@ -69,41 +69,34 @@ class FlatState:
                 off += n
 
 
-def allreduce_average(tensors: List[torch.Tensor], name: str, process_set=None) -> Tuple[int, float]:
-    """Average ``tensors`` in place over the ranks with ONE fused Horovod allreduce per dtype
+_EXCHANGES: Dict[Any, Exchange] = {}
+
+
+def exchange_for(process_set=None, optimizer=None) -> Exchange:
+    """The Exchange the strategies' collectives go through: the DistributedOptimizer's own
+    (so its stats count them) or one per process set around a plain torch optimizer."""
+    ex = getattr(optimizer, "exchange", None) if optimizer is not None else None
+    if isinstance(ex, Exchange):
+        return ex
+    import horovod.torch as hvd
+
+    ps = hvd.global_process_set if process_set is None else process_set
+    key = id(ps)
+    if key not in _EXCHANGES:
+        _EXCHANGES[key] = Exchange(op="average", process_set=ps)
+    return _EXCHANGES[key]
+
+
+def allreduce_average(tensors: List[torch.Tensor], name: str, process_set=None, exchange=None) -> Tuple[int, float]:
+    """Average ``tensors`` in place over the ranks with ONE fused allreduce per dtype
     (all tensors concatenated into one flat buffer). Returns (payload bytes, seconds)."""
-    import horovod.torch as hvd
-
-    ps = hvd.global_process_set if process_set is None else process_set
-    t0 = time.perf_counter()
-    groups: Dict[torch.dtype, List[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    nbytes = 0
-    handles = []
-    for dtype, ts in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        flat = torch.cat([t.detach().reshape(-1) for t in ts])
-        nbytes += flat.numel() * flat.element_size()
-        handles.append((hvd.allreduce_async_(flat, name=f"{name}.{str(dtype).split('.')[-1]}", op=hvd.Average,
-                                             process_set=ps), ts))
-    with torch.no_grad():
-        for h, ts in handles:
-            flat = hvd.synchronize(h)
-            off = 0
-            for t in ts:
-                n = t.numel()
-                t.copy_(flat[off:off + n].view_as(t))
-                off += n
-    return nbytes, time.perf_counter() - t0
+    ex = exchange if exchange is not None else exchange_for(process_set)
+    return ex.allreduce_average(tensors, name)
 
 
-def allreduce_scalar_mean(value: float, name: str, process_set=None) -> float:
-    import horovod.torch as hvd
-
-    ps = hvd.global_process_set if process_set is None else process_set
-    out = hvd.allreduce(torch.tensor([float(value)], dtype=torch.float64), name=name, op=hvd.Average,
-                        process_set=ps)
-    return float(out.item())
+def allreduce_scalar_mean(value: float, name: str, process_set=None, exchange=None) -> float:
+    ex = exchange if exchange is not None else exchange_for(process_set)
+    return ex.allreduce_scalar(value, name, op="average")
 
 
 def stats_for(optimizer) -> CommStats:

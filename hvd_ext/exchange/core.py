@@ -1,0 +1,354 @@
+"""``Exchange``: fused, byte-counted collectives over a :class:`Transport`.
+
+It moves payloads, it does not interpret them. Every collective hvd_ext makes
+-- gradient buckets, parameter and momentum averages of the sync strategies,
+scalars, configuration fingerprints -- goes through one ``Exchange``:
+
+* ``start_allreduce`` / ``finish_allreduce``: one flat tensor per dtype
+  (payloads concatenated, plus one trailing element that carries "some rank
+  had a non-finite gradient"), with Horovod's pre/postscale factors;
+* ``start_allgather`` / ``finish_allgather``: one flat ``uint8`` buffer per
+  rank (sizes may differ). Layout of a buffer (little endian, 4-byte
+  aligned)::
+
+      u32 flags (bit 0: non-finite) | u32 n | u32 len_0 .. len_{n-1}
+      | payload_0 (padded to 4) | ... | payload_{n-1} (padded to 4)
+
+* ``start_alltoall`` / ``finish_alltoall``: one such buffer per destination
+  rank, sent with a single variable-split alltoall (the first phase of the
+  two-phase and sparse reduce-scatter exchanges);
+* ``allreduce_average``, ``allreduce_scalar``, ``allgather_object``,
+  ``broadcast_object`` for the sync strategies and the optimizer.
+
+Bytes counted per rank (``stats``): ``bytes_sent`` is what this rank hands to
+the collectives, ``bytes_received`` what it gets back from other ranks
+(allreduce: the reduced buffer), and ``wire_bytes`` what it transmits on the
+network under the standard algorithms (see :mod:`hvd_ext.exchange.cost`: ring
+allreduce 2(N-1)/N x buffer, allgather and alltoall the bytes that leave the
+rank).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import cost
+from .transport import HorovodTransport, Transport
+
+_HDR = 8  # flags + count
+
+
+def _pad4(n: int) -> int:
+    return (n + 3) & ~3
+
+
+@dataclass
+class ExchangeStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wire_bytes: float = 0.0
+    collectives: int = 0
+    wait_s: float = 0.0
+    by_kind: Dict[str, int] = field(default_factory=dict)  # collectives per kind
+
+    def reset(self):
+        self.bytes_sent = self.bytes_received = self.collectives = 0
+        self.wire_bytes = 0.0
+        self.wait_s = 0.0
+        self.by_kind = {}
+
+
+@dataclass
+class Pending:
+    kind: str
+    handles: List[Any]
+    meta: Any
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+def _op_name(op) -> str:
+    if op is None:
+        return "average"
+    if isinstance(op, str):
+        if op not in ("average", "sum", "adasum"):
+            raise ValueError(f"op must be one of 'average', 'sum', 'adasum' (or hvd.Average/Sum/Adasum), got {op!r}")
+        return op
+    import horovod.torch as hvd
+
+    names = {hvd.Average: "average", hvd.Sum: "sum", hvd.Adasum: "adasum"}
+    if op not in names:
+        raise ValueError(f"op must be one of hvd.Average, hvd.Sum, hvd.Adasum; got {op!r}")
+    return names[op]
+
+
+def frame(payloads: Sequence[torch.Tensor], nonfinite: bool, device=None) -> torch.Tensor:
+    """One uint8 buffer holding ``payloads`` (each uint8, 1-D) behind the flag/length header."""
+    n = len(payloads)
+    lens = [int(p.numel()) for p in payloads]
+    dev = device if device is not None else (payloads[0].device if payloads else torch.device("cpu"))
+    header = torch.tensor([1 if nonfinite else 0, n] + lens, dtype=torch.int32).view(torch.uint8)
+    parts = [header.to(dev)]
+    for p, ln in zip(payloads, lens):
+        if p.dtype != torch.uint8:
+            raise TypeError(f"exchange payloads must be uint8, got {p.dtype}")
+        parts.append(p.reshape(-1).to(dev))
+        pad = _pad4(ln) - ln
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=dev))
+    return torch.cat(parts)
+
+
+def unframe(buf: torch.Tensor, n: int, who: str) -> Tuple[List[torch.Tensor], bool, int]:
+    """Parse one buffer made by :func:`frame` at the start of ``buf``: (payloads, flag, bytes used)."""
+    if buf.numel() < _HDR:
+        raise RuntimeError(f"hvd_ext exchange: {who} sent {buf.numel()} bytes, less than a header "
+                           "(ranks disagree on the exchange layout)")
+    head = buf[:_HDR].clone().view(torch.int32).tolist()
+    flags, count = head
+    if count != n:
+        raise RuntimeError(f"hvd_ext exchange: {who} sent {count} payloads, expected {n} "
+                           "(ranks disagree on the bucket layout)")
+    lens = buf[_HDR:_HDR + 4 * n].clone().view(torch.int32).tolist() if n else []
+    p = _HDR + 4 * n
+    out = []
+    for ln in lens:
+        out.append(buf[p:p + ln])
+        p += _pad4(ln)
+    if p > buf.numel():
+        raise RuntimeError(f"hvd_ext exchange: {who}'s buffer is truncated")
+    return out, bool(flags & 1), p
+
+
+class Exchange:
+    """Fused collectives for buckets of payloads, over Horovod (default) or any :class:`Transport`.
+
+    ``op``, ``prescale_factor`` and ``postscale_factor`` follow
+    ``hvd.allreduce``; on the allgather/alltoall paths the exchange returns
+    payloads and the caller applies :meth:`scale` to the decoded sum.
+    """
+
+    def __init__(self, op=None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                 process_set=None, transport: Optional[Transport] = None):
+        self.op_name = _op_name(op)
+        self.op = op
+        self.prescale_factor = float(prescale_factor)
+        self.postscale_factor = float(postscale_factor)
+        self.transport = transport if transport is not None else HorovodTransport(process_set)
+        self.process_set = getattr(self.transport, "process_set", None)
+        self.stats = ExchangeStats()
+
+    # ---- world ---------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return self.transport.size()
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank()
+
+    def included(self) -> bool:
+        return self.transport.included()
+
+    def scale(self) -> float:
+        """Factor that turns a sum over ranks into what ``op`` asks for."""
+        f = self.prescale_factor * self.postscale_factor
+        if self.op_name == "average":
+            f /= self.size
+        return f
+
+    def _count(self, kind: str, sent: int, received: int, wire: float) -> None:
+        s = self.stats
+        s.bytes_sent += int(sent)
+        s.bytes_received += int(received)
+        s.wire_bytes += float(wire)
+        s.collectives += 1
+        s.by_kind[kind] = s.by_kind.get(kind, 0) + 1
+
+    def _wait(self, handle):
+        t0 = time.perf_counter()
+        out = self.transport.wait(handle)
+        self.stats.wait_s += time.perf_counter() - t0
+        return out
+
+    # ---- allreduce ---------------------------------------------------------------
+    def start_allreduce(self, name: str, payloads: List[torch.Tensor], nonfinite: bool) -> Pending:
+        """Reduce ``payloads`` (1-D tensors) with one collective per dtype."""
+        tr, N = self.transport, self.size
+        if self.op_name == "adasum":
+            # Adasum is not elementwise-linear across a concatenation: one tensor each
+            # (Horovod fuses them itself), the non-finite flag as its own scalar sum.
+            handles = [tr.allreduce_async(p, f"{name}.{i}", op="adasum") for i, p in enumerate(payloads)]
+            flag = torch.tensor([1.0 if nonfinite else 0.0])
+            handles.append(tr.allreduce_async(flag, f"{name}.flag", op="sum"))
+            for p in payloads + [flag]:
+                nb = p.numel() * p.element_size()
+                self._count("allreduce", nb, nb, cost.allreduce_wire(nb, N))
+            return Pending("adasum", handles, None)
+        groups: Dict[torch.dtype, List[int]] = {}
+        for i, p in enumerate(payloads):
+            groups.setdefault(p.dtype, []).append(i)
+        handles, metas = [], []
+        flag_value = 1.0 if nonfinite else 0.0
+        first = True
+        for dtype, idxs in groups.items():
+            parts = [payloads[i].reshape(-1) for i in idxs]
+            if first:
+                parts = parts + [torch.full((1,), flag_value, dtype=dtype, device=parts[0].device)]
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            handles.append(tr.allreduce_async(flat, f"{name}.{str(dtype).split('.')[-1]}", op=self.op_name,
+                                              prescale=self.prescale_factor, postscale=self.postscale_factor))
+            metas.append((idxs, [payloads[i].numel() for i in idxs], first))
+            nb = flat.numel() * flat.element_size()
+            self._count("allreduce", nb, nb, cost.allreduce_wire(nb, N))
+            first = False
+        if not payloads:  # still carry the flag so every rank agrees
+            flat = torch.tensor([flag_value])
+            handles.append(tr.allreduce_async(flat, f"{name}.flag", op="sum"))
+            metas.append(([], [], True))
+            self._count("allreduce", 4, 4, cost.allreduce_wire(4, N))
+        return Pending("allreduce", handles, (len(payloads), metas))
+
+    def finish_allreduce(self, pending: Pending) -> Tuple[List[torch.Tensor], bool]:
+        outs = [self._wait(h) for h in pending.handles]
+        if pending.kind == "adasum":
+            return outs[:-1], bool(outs[-1].item() != 0)
+        n, metas = pending.meta
+        result: List[Optional[torch.Tensor]] = [None] * n
+        nonfinite = False
+        for flat, (idxs, sizes, has_flag) in zip(outs, metas):
+            off = 0
+            for i, sz in zip(idxs, sizes):
+                result[i] = flat[off:off + sz]
+                off += sz
+            if has_flag:
+                flag = flat[off]
+                nonfinite = bool(flag.item() != 0) or not bool(torch.isfinite(flag).item())
+        return result, nonfinite
+
+    # ---- allgather -----------------------------------------------------------------
+    def start_allgather(self, name: str, payloads: List[torch.Tensor], nonfinite: bool) -> Pending:
+        """Gather every rank's ``uint8`` payloads with one collective."""
+        buf = frame(payloads, nonfinite)
+        h = self.transport.allgather_async(buf, name)
+        # received is known only after the collective; counted in finish
+        self.stats.bytes_sent += buf.numel()
+        return Pending("allgather", [h], len(payloads), {"own": buf.numel()})
+
+    def finish_allgather(self, pending: Pending) -> Tuple[List[List[torch.Tensor]], bool]:
+        """Return ``per_tensor[i][r]`` = rank r's payload for tensor i, and the global non-finite flag."""
+        buf = self._wait(pending.handles[0])
+        own = pending.extra["own"]
+        recv = buf.numel() - own
+        self.stats.bytes_received += recv
+        self.stats.wire_bytes += cost.allgather_wire(own, buf.numel(), self.size)
+        self.stats.collectives += 1
+        self.stats.by_kind["allgather"] = self.stats.by_kind.get("allgather", 0) + 1
+        n = pending.meta
+        per_tensor: List[List[torch.Tensor]] = [[] for _ in range(n)]
+        nonfinite = False
+        off, ranks, total = 0, 0, buf.numel()
+        while off < total:
+            parts, flag, used = unframe(buf[off:], n, f"rank {ranks}")
+            for i, p in enumerate(parts):
+                per_tensor[i].append(p)
+            nonfinite = nonfinite or flag
+            off += used
+            ranks += 1
+        if ranks != self.size:
+            raise RuntimeError(f"hvd_ext exchange: parsed {ranks} rank buffers, expected {self.size}")
+        return per_tensor, nonfinite
+
+    # ---- alltoall ------------------------------------------------------------------
+    def start_alltoall(self, name: str, per_dest: List[List[torch.Tensor]], nonfinite: bool) -> Pending:
+        """Send ``per_dest[j]`` (a list of uint8 payloads, the same count for every j) to rank j."""
+        N = self.size
+        if len(per_dest) != N:
+            raise ValueError(f"start_alltoall: {len(per_dest)} destinations for {N} ranks")
+        n = len(per_dest[0]) if per_dest else 0
+        bufs = [frame(p, nonfinite) for p in per_dest]
+        flat = torch.cat(bufs)
+        splits = [b.numel() for b in bufs]
+        h = self.transport.alltoall_async(flat, splits, name)
+        me = self.rank
+        self.stats.bytes_sent += flat.numel() - splits[me]
+        return Pending("alltoall", [h], n, {"splits": splits})
+
+    def finish_alltoall(self, pending: Pending) -> Tuple[List[List[torch.Tensor]], bool]:
+        """Return ``per_source[r]`` = the payloads rank r sent to this rank, and the global-so-far flag
+        (set when any source flagged a non-finite gradient)."""
+        received, rsplits = self._wait(pending.handles[0])
+        me, n = self.rank, pending.meta
+        if rsplits is None:
+            rsplits = self._infer_splits(received, n)
+        out, nonfinite, off = [], False, 0
+        for r, sz in enumerate(rsplits):
+            parts, flag, used = unframe(received[off:off + sz], n, f"rank {r}")
+            out.append(parts)
+            nonfinite = nonfinite or flag
+            off += sz
+        recv = received.numel() - rsplits[me]
+        sent = sum(pending.extra["splits"]) - pending.extra["splits"][me]
+        self.stats.bytes_received += recv
+        self.stats.wire_bytes += cost.alltoall_wire(sent, recv)
+        self.stats.collectives += 1
+        self.stats.by_kind["alltoall"] = self.stats.by_kind.get("alltoall", 0) + 1
+        return out, nonfinite
+
+    def _infer_splits(self, received: torch.Tensor, n: int) -> List[int]:
+        splits, off = [], 0
+        for r in range(self.size):
+            _, _, used = unframe(received[off:], n, f"rank {r}")
+            splits.append(used)
+            off += used
+        return splits
+
+    # ---- parameter averages, scalars, objects (sync strategies, optimizer) -----------
+    def allreduce_average(self, tensors: List[torch.Tensor], name: str) -> Tuple[int, float]:
+        """Average ``tensors`` in place over the ranks with ONE fused allreduce per dtype.
+        Returns (payload bytes, seconds)."""
+        t0 = time.perf_counter()
+        groups: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault(t.dtype, []).append(t)
+        nbytes, handles = 0, []
+        for dtype, ts in sorted(groups.items(), key=lambda kv: str(kv[0])):
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            nb = flat.numel() * flat.element_size()
+            nbytes += nb
+            handles.append((self.transport.allreduce_async(flat, f"{name}.{str(dtype).split('.')[-1]}",
+                                                           op="average"), ts))
+            self._count("allreduce", nb, nb, cost.allreduce_wire(nb, self.size))
+        with torch.no_grad():
+            for h, ts in handles:
+                flat = self._wait(h)
+                off = 0
+                for t in ts:
+                    k = t.numel()
+                    t.copy_(flat[off:off + k].view_as(t))
+                    off += k
+        return nbytes, time.perf_counter() - t0
+
+    def allreduce_scalar(self, value: float, name: str, op: str = "sum") -> float:
+        """Sum (or ``op="average"``) of one float64 over the ranks."""
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        out = self._wait(self.transport.allreduce_async(t, name, op=_op_name(op) if op != "adasum" else "sum"))
+        self._count("allreduce", 8, 8, cost.allreduce_wire(8, self.size))
+        return float(out.item())
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        """One picklable object per rank, in rank order."""
+        t0 = time.perf_counter()
+        out = self.transport.allgather_object(obj, name)
+        self.stats.wait_s += time.perf_counter() - t0
+        self.stats.collectives += 1
+        return out
+
+    def broadcast_object(self, obj: Any, root: int, name: str) -> Any:
+        t0 = time.perf_counter()
+        out = self.transport.broadcast_object(obj, root, name)
+        self.stats.wait_s += time.perf_counter() - t0
+        self.stats.collectives += 1
+        return out

@@ -1,0 +1,105 @@
+"""Wire bytes and an alpha-beta cost model for the exchanges.
+
+Wire bytes per rank (what leaves this rank's NIC) for the standard algorithms:
+
+* ring allreduce of B bytes: reduce-scatter + allgather, 2(N-1)/N x B;
+* ring allgather: every block but one passes through every rank, ~ the bytes
+  of the other ranks' blocks;
+* alltoall: the bytes addressed to other ranks.
+
+Step-time model (Hockney alpha-beta, plus codec time; Agarwal et al., "On the
+utility of gradient compression", MLSys 2022, use the same accounting):
+
+    t = messages x alpha + wire_bytes / bandwidth + coded_elements / codec_throughput
+
+with, per bucket of n elements, dense size D = 4n and compressed size C:
+
+=============  ========================  ===================  ======================
+exchange       messages per rank         wire bytes per rank  elements coded/decoded
+=============  ========================  ===================  ======================
+allreduce      2(N-1) (ring)             2(N-1)/N x D         0
+allgather      N-1 (ring)                (N-1) x C            n + N x n (decode all)
+twophase       (N-1) + (N-1)             2(N-1)/N x C         2n + 2n (shards)
+=============  ========================  ===================  ======================
+
+``choose_exchange`` evaluates the model for the candidates and returns the
+cheapest; it depends only on N, sizes and the model's constants, so every
+rank gets the same answer. ``project`` tabulates the model up to N = 1024.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List
+
+
+def allreduce_wire(nbytes: float, n: int) -> float:
+    return 2.0 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def allgather_wire(own: float, total: float, n: int) -> float:
+    return float(total - own) if n > 1 else 0.0
+
+
+def alltoall_wire(sent: float, received: float) -> float:
+    return float(max(sent, received))
+
+
+@dataclass
+class LinkModel:
+    """alpha: seconds per message; bandwidth: bytes/s; codec: elements/s encoded or decoded."""
+
+    alpha: float = 50e-6
+    bandwidth: float = 1.25e9        # 10 Gbit/s
+    codec: float = 250e6             # elements per second, one CPU core (measured order)
+
+    def time(self, messages: float, wire: float, coded: float) -> float:
+        return messages * self.alpha + wire / self.bandwidth + coded / self.codec
+
+
+EXCHANGES = ("allreduce", "allgather", "twophase")
+
+
+def per_rank(exchange: str, n_elems: int, compressed_bytes: float, size: int) -> Dict[str, float]:
+    """Messages, wire bytes and coded elements per rank for one bucket (see the module table)."""
+    N = size
+    D = 4.0 * n_elems
+    if N <= 1:
+        return {"messages": 0.0, "wire": 0.0, "coded": 0.0 if exchange == "allreduce" else 2.0 * n_elems}
+    if exchange == "allreduce":
+        return {"messages": 2.0 * (N - 1), "wire": allreduce_wire(D, N), "coded": 0.0}
+    if exchange == "allgather":
+        return {"messages": float(N - 1), "wire": (N - 1) * compressed_bytes, "coded": float(n_elems) * (1 + N)}
+    if exchange == "twophase":
+        return {"messages": 2.0 * (N - 1), "wire": 2.0 * (N - 1) / N * compressed_bytes,
+                "coded": 4.0 * n_elems}
+    raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+
+
+def predict(exchange: str, n_elems: int, compressed_bytes: float, size: int, link: LinkModel) -> float:
+    c = per_rank(exchange, n_elems, compressed_bytes, size)
+    return link.time(c["messages"], c["wire"], c["coded"])
+
+
+def choose_exchange(candidates: Iterable[str], n_elems: int, compressed_bytes: float, size: int,
+                    link: LinkModel = None) -> str:
+    """The candidate with the least predicted time (ties: the first listed)."""
+    link = link or LinkModel()
+    best, best_t = None, None
+    for ex in candidates:
+        t = predict(ex, n_elems, compressed_bytes, size, link)
+        if best_t is None or t < best_t - 1e-15:
+            best, best_t = ex, t
+    return best
+
+
+def project(n_elems: int, compressed_bytes: float, sizes: List[int], link: LinkModel = None) -> List[Dict[str, float]]:
+    """Predicted seconds and wire bytes per rank for every exchange at each N in ``sizes``."""
+    link = link or LinkModel()
+    rows = []
+    for N in sizes:
+        row = {"N": N}
+        for ex in EXCHANGES:
+            row[f"{ex}_s"] = predict(ex, n_elems, compressed_bytes, N, link)
+            row[f"{ex}_wire"] = per_rank(ex, n_elems, compressed_bytes, N)["wire"]
+        rows.append(row)
+    return rows

@@ -1,0 +1,220 @@
+"""Routes: how one bucket of compressed tensors travels between the ranks.
+
+A route is created per bucket and reused every step. The pipeline calls
+``start(records, nonfinite)`` when the bucket is ready (during backward),
+``progress()`` on every bucket once backward is over (multi-phase routes
+start their second collective there), then ``finish()`` which returns the
+averaged dense tensors. ``sent(record, result)`` is what this rank
+contributed, for error feedback.
+
+=============  ==============================================  ==========================
+route          collectives                                     bytes per rank as N grows
+=============  ==============================================  ==========================
+allreduce      allreduce (linear codecs; PowerSGD: 2 rounds)   2(N-1)/N x payload (ring)
+allgather      one allgather, decode all N                     (N-1) x payload
+twophase       alltoall of shards + allgather of re-coded      2(N-1)/N x payload
+               shards (:mod:`.twophase`)
+sparse_rs      alltoall of (index, value) pairs by owner        ~2k pairs, flat in N
+               range + allgather of re-selected (:mod:`.sparse_rs`)
+=============  ==============================================  ==========================
+
+``choose_route`` picks one from the compressor family, the spec's
+``exchange=`` and the cost model (:mod:`.cost`); it depends on nothing
+rank-local, so every rank builds the same routes.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..compression.base import Compressor, Continue, TensorInfo
+from . import cost
+from .core import Exchange
+
+from ..compression.base import ROUTE_CHOICES  # noqa: E402  (auto | allgather | twophase)
+
+
+@dataclass(eq=False)
+class TensorRecord:
+    """One tensor of a bucket during a step (the typed record the routes and feedback share)."""
+
+    name: str
+    param: torch.Tensor
+    info: TensorInfo
+    u: torch.Tensor          # compensated gradient: what the feedback wants to send
+    payload: Any = None      # this rank's payload (allreduce / allgather / sparse_rs routes)
+    ctx: Any = None
+
+
+class OwnerMemory:
+    """Error-feedback memory kept by a shard's owner (two-phase / sparse reduce-scatter):
+    what its re-compression did not send is added to the next step's shard.
+    Staged like the worker feedback: committed only on finite steps."""
+
+    def __init__(self):
+        self.memory: Dict[str, torch.Tensor] = {}
+        self._staged: Dict[str, torch.Tensor] = {}
+
+    def get(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        m = self.memory.get(key)
+        if m is None or m.shape != like.shape:
+            return torch.zeros_like(like)
+        return m.to(like.device)
+
+    def stage(self, key: str, value: torch.Tensor) -> None:
+        self._staged[key] = value.detach()
+
+    def commit(self) -> None:
+        self.memory.update(self._staged)
+        self._staged = {}
+
+    def discard(self) -> None:
+        self._staged = {}
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.memory.items()}
+
+    def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+        self.memory = {k: v.clone() for k, v in (sd or {}).items()}
+        self._staged = {}
+
+
+class Route:
+    name = "?"
+
+    def __init__(self, comp: Compressor, exchange: Exchange, tag: str, memory: Optional[OwnerMemory] = None):
+        self.comp = comp
+        self.exchange = exchange
+        self.tag = tag
+        self.memory = memory
+        self.records: List[TensorRecord] = []
+        self.code_s = 0.0  # seconds spent coding inside the route (decode, re-compress)
+
+    def compress_records(self, records: List[TensorRecord]) -> None:
+        for rec in records:
+            rec.payload, rec.ctx = self.comp.compress(rec.u, rec.info)
+
+    def start(self, records: List[TensorRecord], nonfinite: bool) -> None:
+        raise NotImplementedError
+
+    def progress(self) -> None:
+        """Complete a first phase and start the next (no-op for one-phase routes)."""
+
+    def finish(self) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]], bool]:
+        raise NotImplementedError
+
+    def sent(self, i: int, result: torch.Tensor) -> torch.Tensor:
+        """Dense value of what this rank contributed to ``records[i]`` (error feedback subtracts it)."""
+        rec = self.records[i]
+        return self.comp.local_contribution(rec.payload, rec.ctx, rec.info, result)
+
+
+class AllreduceRoute(Route):
+    """Linear codecs: one fused allreduce per dtype; ``Continue`` asks for further rounds (PowerSGD).
+    The non-finite test reads the reduced buffer: a NaN/Inf on any rank makes the sum non-finite."""
+
+    name = "allreduce"
+
+    def start(self, records, nonfinite):
+        self.compress_records(records)
+        self.records = records
+        self._pending = self.exchange.start_allreduce(f"hvd_ext.ar.{self.tag}", [r.payload for r in records],
+                                                      nonfinite)
+
+    def finish(self):
+        ex, comp = self.exchange, self.comp
+        reduced, nf = ex.finish_allreduce(self._pending)
+        nf = nf or not all(bool(torch.isfinite(t).all()) for t in reduced if t.is_floating_point())
+        results: List[Optional[torch.Tensor]] = [None] * len(reduced)
+        todo = list(range(len(reduced)))
+        ctxs = [r.ctx for r in self.records]
+        rnd = 1
+        while todo:
+            again, payloads = [], []
+            for j, i in enumerate(todo):
+                out = comp.decompress(reduced[j], ctxs[i], self.records[i].info)
+                if isinstance(out, Continue):
+                    ctxs[i] = out.ctx
+                    again.append(i)
+                    payloads.append(out.payload)
+                else:
+                    results[i] = out
+            if not again:
+                break
+            rnd += 1
+            pend = ex.start_allreduce(f"hvd_ext.ar.{self.tag}.r{rnd}", payloads, False)
+            reduced, _ = ex.finish_allreduce(pend)
+            todo = again
+        for rec, ctx in zip(self.records, ctxs):  # the final ctx, for local_contribution
+            rec.ctx = ctx
+        return results, [None] * len(results), nf
+
+
+class AllgatherRoute(Route):
+    """Non-linear codecs: one allgather of every rank's payloads, each rank decodes all N."""
+
+    name = "allgather"
+
+    def start(self, records, nonfinite):
+        self.compress_records(records)
+        self.records = records
+        self._pending = self.exchange.start_allgather(f"hvd_ext.ag.{self.tag}", [r.payload for r in records],
+                                                      nonfinite)
+
+    def finish(self):
+        per_tensor, nf = self.exchange.finish_allgather(self._pending)
+        t0 = time.perf_counter()
+        scale = self.exchange.scale()
+        comp = self.comp
+        want_support = getattr(comp.feedback, "needs_support", False)
+        results, supports = [], []
+        for rec, datas in zip(self.records, per_tensor):
+            results.append(comp.aggregate(datas, rec.ctx, rec.info).mul_(scale))
+            supports.append(comp.support(datas, rec.ctx, rec.info) if want_support else None)
+        self.code_s += time.perf_counter() - t0
+        return results, supports, nf
+
+
+def estimated_payload_bytes(comp: Compressor, numel: int) -> float:
+    """Bytes of one rank's payload for ``numel`` elements: exact when the codec says, else from its ratio."""
+    wb = comp.wire_bytes(numel)
+    if wb is not None:
+        return float(wb)
+    if comp.sparse:
+        ratio = float(getattr(comp, "ratio", 0.01))
+        vb = 2 if getattr(comp, "values", "fp32") == "fp16" else 4
+        return math.ceil(ratio * numel) * (vb + 2)
+    bits = float(getattr(comp, "bits", 0) or getattr(comp, "budget", 0) or 8)
+    return numel * bits / 8.0
+
+
+def choose_route(comp: Compressor, mode: str, numel: int, size: int,
+                 link: Optional[cost.LinkModel] = None) -> str:
+    """Route name for a bucket of ``numel`` elements (same inputs -> same answer on every rank)."""
+    if mode not in ROUTE_CHOICES:
+        raise ValueError(f"exchange must be one of {', '.join(ROUTE_CHOICES)}, got {mode!r}")
+    if comp.exchange == "allreduce":
+        if mode != "auto":
+            raise ValueError(f"compressor '{comp.name}' rides on allreduce; exchange={mode!r} is not accepted "
+                             "(accepted: auto)")
+        return "allreduce"
+    scalable = "sparse_rs" if comp.sparse else "twophase"
+    if mode == "allgather" or size < 2:
+        return "allgather"
+    if mode == "twophase":
+        return scalable
+    best = cost.choose_exchange(("allgather", "twophase"), numel, estimated_payload_bytes(comp, numel), size, link)
+    return scalable if best == "twophase" else "allgather"
+
+
+def make_route(kind: str, comp: Compressor, exchange: Exchange, tag: str, memory: OwnerMemory) -> Route:
+    from .sparse_rs import SparseReduceScatterRoute
+    from .twophase import TwoPhaseRoute
+
+    classes = {"allreduce": AllreduceRoute, "allgather": AllgatherRoute, "twophase": TwoPhaseRoute,
+               "sparse_rs": SparseReduceScatterRoute}
+    return classes[kind](comp, exchange, tag, memory)

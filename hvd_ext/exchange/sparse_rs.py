@@ -1,0 +1,209 @@
+"""Sparse reduce-scatter for the top-k family (topk, dgc, sig, threshold, randomk).
+
+gTop-k (Shi et al., "A distributed synchronous SGD algorithm with global
+top-k sparsification", ICDCS 2019) and Ok-Topk (Li & Hoefler, PPoPP 2022):
+instead of allgathering every rank's k (index, value) pairs -- (N-1)k pairs
+received per rank -- route each pair to the owner of its index range:
+
+1. each rank selects its entries as usual (the compressor, after error
+   feedback); the bucket's index space [0, n) is split into N owner ranges and
+   one variable-split ``alltoall`` sends every pair to its owner (indices
+   relative to the range: 16 bits when the range has at most 65536 entries);
+2. the owner sums what it received, adds its owner-side residual, keeps the
+   ``ceil(received / N)`` largest entries (about k/N: the global budget stays
+   about k) and remembers the rest; one ``allgather`` of the owners'
+   selections gives every rank the same sparse sum.
+
+Received per rank: about k pairs in each phase, flat in N.
+
+Rebalancing: the owner ranges start equal. Every ``REBALANCE_EVERY`` steps,
+if the entries of the (identical) global result fall unevenly on the owners
+(max > 1.5 x mean), the ranges are moved to the quantiles of those entries'
+positions -- the same decision on every rank, since all hold the same result.
+Owner residual left outside a rank's new range is sent to its new owner with
+the next step's pairs, so nothing is lost.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import List, Tuple
+
+import torch
+
+from ..compression._sparse import FP16_MAX, topk_indices
+from ..compression.base import from_bytes
+from .routes import Route
+from .transport import offsets, split_sizes
+
+REBALANCE_EVERY = 16
+IMBALANCE = 1.5
+
+
+def _index_dtype(span: int) -> torch.dtype:
+    return torch.int16 if span <= 65536 else torch.int32
+
+
+def encode_pairs(idx: torch.Tensor, vals: torch.Tensor, span: int, value_dtype: torch.dtype) -> torch.Tensor:
+    """[values][indices] as bytes; indices relative to an owner range of ``span`` entries."""
+    if vals.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=vals.device)
+    if value_dtype == torch.float16:
+        v = vals.float().clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+    else:
+        v = vals.to(torch.float32)
+    idt = _index_dtype(span)
+    if idt == torch.int16:
+        i = idx.to(torch.int32)
+        i = torch.where(i >= 32768, i - 65536, i).to(torch.int16)
+    else:
+        i = idx.to(torch.int32)
+    return torch.cat([v.contiguous().view(torch.uint8), i.contiguous().view(torch.uint8)])
+
+
+def decode_pairs(data: torch.Tensor, span: int, value_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    vb = 2 if value_dtype == torch.float16 else 4
+    idt = _index_dtype(span)
+    ib = 2 if idt == torch.int16 else 4
+    if data.numel() % (vb + ib):
+        raise ValueError(f"sparse reduce-scatter: payload of {data.numel()} bytes is not a whole number of "
+                         f"{vb + ib}-byte pairs (ranks disagree on the layout?)")
+    k = data.numel() // (vb + ib)
+    vals, off = from_bytes(data, 0, value_dtype, k)
+    idx, _ = from_bytes(data, off, idt, k)
+    idx = idx.long()
+    if idt == torch.int16:
+        idx = idx & 0xFFFF
+    if k and int(idx.max()) >= span:
+        raise ValueError(f"sparse reduce-scatter: index {int(idx.max())} outside an owner range of {span}")
+    return idx, vals.float()
+
+
+class SparseReduceScatterRoute(Route):
+    name = "sparse_rs"
+
+    def _value_dtype(self):
+        return getattr(self.comp, "value_dtype", torch.float32)
+
+    def _bounds(self, total: int) -> List[int]:
+        b = self.memory.memory.get(f"{self.tag}:bounds") if self.memory is not None else None
+        if b is not None and int(b[-1]) == total and b.numel() == self.exchange.size + 1:
+            return [int(x) for x in b.tolist()]
+        sizes = split_sizes(total, self.exchange.size)
+        return [0] + [hi for _, hi in offsets(sizes)]
+
+    def start(self, records, nonfinite):
+        ex, comp = self.exchange, self.comp
+        N, me = ex.size, ex.rank
+        self.compress_records(records)
+        self.records = records
+        sizes = [r.u.numel() for r in records]
+        self.starts = [a for a, _ in offsets(sizes)]
+        self.total = sum(sizes)
+        self.bounds = self._bounds(self.total)
+        dev = records[0].u.device if records else torch.device("cpu")
+        gi, gv = [], []
+        for rec, s in zip(records, self.starts):
+            idx, vals = comp.sparse_entries(rec.payload, rec.ctx, rec.info)
+            gi.append(idx.to(dev) + s)
+            gv.append(vals.to(dev).float())
+        # owner residual outside this rank's range (after a rebalance) travels to its new owner
+        key = f"{self.tag}:owner"
+        mem = self.memory.memory.get(key) if self.memory is not None else None
+        lo, hi = self.bounds[me], self.bounds[me + 1]
+        self._mem = None
+        if mem is not None and mem.numel() == self.total:
+            outside = torch.cat([mem[:lo], mem[hi:]]).nonzero().squeeze(1)
+            if outside.numel():
+                pos = torch.where(outside < lo, outside, outside + (hi - lo))
+                gi.append(pos.to(dev))
+                gv.append(mem[pos].to(dev))
+            self._mem = mem[lo:hi]
+        g = torch.cat(gi) if gi else torch.empty(0, dtype=torch.long, device=dev)
+        v = torch.cat(gv) if gv else torch.empty(0, device=dev)
+        if len(gi) > len(records):  # carried entries break the ascending order
+            g, order = g.sort()
+            v = v[order]
+        cuts = torch.searchsorted(g, torch.tensor(self.bounds, device=g.device)).tolist()
+        vdt = self._value_dtype()
+        per_dest = []
+        for j in range(N):
+            a, b = cuts[j], cuts[j + 1]
+            span = self.bounds[j + 1] - self.bounds[j]
+            per_dest.append([encode_pairs(g[a:b] - self.bounds[j], v[a:b], span, vdt)])
+        self._p1 = ex.start_alltoall(f"hvd_ext.rs1.{self.tag}", per_dest, nonfinite)
+        self._p2 = None
+
+    def progress(self):
+        if self._p2 is not None:
+            return
+        ex = self.exchange
+        N, me = ex.size, ex.rank
+        per_source, nf = ex.finish_alltoall(self._p1)
+        t0 = time.perf_counter()
+        lo, hi = self.bounds[me], self.bounds[me + 1]
+        span = hi - lo
+        vdt = self._value_dtype()
+        dev = self.records[0].u.device if self.records else torch.device("cpu")
+        s = torch.zeros(span, dtype=torch.float32, device=dev)
+        received = 0
+        for r in range(N):
+            idx, vals = decode_pairs(per_source[r][0], span, vdt)
+            received += idx.numel()
+            s.index_add_(0, idx.to(dev), vals.to(dev))
+        if self._mem is not None:
+            s = s + self._mem.to(s.device)
+        budget = min(span, math.ceil(received / N))
+        sel = topk_indices(s.abs(), budget)
+        if self.memory is not None and not nf:
+            rest = s.clone()
+            rest[sel] = 0.0
+            full = torch.zeros(self.total, dtype=torch.float32, device=dev)
+            full[lo:hi] = rest
+            self.memory.stage(f"{self.tag}:owner", full)
+        payload = encode_pairs(sel, s[sel], span, torch.float32)
+        self.code_s += time.perf_counter() - t0
+        self._p2 = ex.start_allgather(f"hvd_ext.rs2.{self.tag}", [payload], nf)
+
+    def finish(self):
+        self.progress()
+        ex, comp = self.exchange, self.comp
+        per_slot, nf = ex.finish_allgather(self._p2)
+        t0 = time.perf_counter()
+        dev = self.records[0].u.device if self.records else torch.device("cpu")
+        flat = torch.zeros(self.total, dtype=torch.float32, device=dev)
+        for owner in range(ex.size):
+            lo, hi = self.bounds[owner], self.bounds[owner + 1]
+            idx, vals = decode_pairs(per_slot[0][owner], hi - lo, torch.float32)
+            flat[lo + idx.to(dev)] = vals.to(dev)
+        support = flat != 0
+        flat.mul_(ex.scale())
+        step = self.records[0].info.step if self.records else 0
+        if not nf and (step + 1) % REBALANCE_EVERY == 0:
+            self._rebalance(support)
+        want_support = getattr(comp.feedback, "needs_support", False)
+        outs, sups = [], []
+        for rec, s in zip(self.records, self.starts):
+            n = rec.u.numel()
+            outs.append(flat[s:s + n])
+            sups.append(support[s:s + n] if want_support else None)
+        self.code_s += time.perf_counter() - t0
+        self._p1 = self._p2 = None
+        return outs, sups, nf
+
+    def _rebalance(self, support: torch.Tensor) -> None:
+        """Move the owner ranges to the quantiles of the selected positions when they are uneven."""
+        N = self.exchange.size
+        pos = support.nonzero().squeeze(1)
+        m = pos.numel()
+        if m < 2 * N or self.memory is None:
+            return
+        counts = torch.tensor([int(((pos >= self.bounds[j]) & (pos < self.bounds[j + 1])).sum())
+                               for j in range(N)])
+        if counts.max().item() <= IMBALANCE * m / N:
+            return
+        cut = [int(pos[(j * m) // N].item()) for j in range(1, N)]
+        new = [0] + cut + [self.total]
+        for j in range(1, N + 1):  # non-decreasing
+            new[j] = max(new[j], new[j - 1])
+        self.memory.stage(f"{self.tag}:bounds", torch.tensor(new, dtype=torch.long))
