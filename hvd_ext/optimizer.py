@@ -14,9 +14,10 @@ rank, and ``state_dict()`` carries the feedback memory.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from contextlib import contextmanager
-from typing import Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -76,12 +77,116 @@ def resolve_compression(compression) -> Compressor:
                      "hvd.Compression.none / hvd.Compression.fp16, or an object with compress/decompress")
 
 
+def _full_spec(compressor: Compressor) -> str:
+    """Spec with every option spelled out (defaults too), feedback included."""
+    opts = getattr(compressor, "opts", None)
+    if not isinstance(opts, dict):
+        return compressor.spec()
+    items = [f"{k}={v}" for k, v in sorted(opts.items())]
+    fb = getattr(compressor, "feedback", None)
+    if fb is not None:
+        items.append(f"feedback={fb.name}")
+        items += [f"{k}={v}" for k, v in sorted(getattr(fb, "opts", {}).items())]
+    return compressor.name + (":" + ",".join(items) if items else "")
+
+
+def config_fingerprint(named_params, compressor: Compressor, op_name: str, backward_passes_per_step: int,
+                       gradient_predivide_factor: float, bucket_bytes: int, sparse_as_dense: bool,
+                       buckets: List[List[str]], routes: Optional[List[str]] = None) -> Dict[str, Any]:
+    """What every rank of a process set must agree on for the exchange to match (issue 10)."""
+    return {
+        "compression": _full_spec(compressor),
+        "op": op_name,
+        "backward_passes_per_step": int(backward_passes_per_step),
+        "gradient_predivide_factor": float(gradient_predivide_factor),
+        "sparse_as_dense": bool(sparse_as_dense),
+        "bucket_bytes": int(bucket_bytes),
+        "parameters": [(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in named_params],
+        "buckets": [list(b) for b in buckets],
+        "routes": list(routes or []),
+    }
+
+
+def _short(v, limit: int = 160) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def fingerprint_mismatch(fingerprints: List[Dict[str, Any]], what: str = "hvd_ext.DistributedOptimizer") -> Optional[str]:
+    """None when every rank's fingerprint equals rank 0's; else a message naming the first key
+    that differs, the ranks and both values (lists: the first differing entry)."""
+    ref = fingerprints[0]
+    for key in ref:
+        for r, fp in enumerate(fingerprints[1:], start=1):
+            a, b = ref.get(key), fp.get(key)
+            if a == b:
+                continue
+            detail = f"rank 0 has {_short(a)}, rank {r} has {_short(b)}"
+            if isinstance(a, list) and isinstance(b, list):
+                if len(a) != len(b):
+                    detail = f"rank 0 has {len(a)} entries, rank {r} has {len(b)}; "
+                else:
+                    detail = ""
+                i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                x = a[i] if i < len(a) else "(none)"
+                y = b[i] if i < len(b) else "(none)"
+                detail += f"first difference at entry {i}: rank 0 has {_short(x)}, rank {r} has {_short(y)}"
+            return (f"{what}: ranks are configured differently ({key}: {detail}); every rank must pass "
+                    f"the same configuration (checked once, at construction)")
+    extra = sorted({k for fp in fingerprints for k in fp} - set(ref))
+    if extra:
+        return f"{what}: ranks are configured differently (keys {extra} set on some ranks only)"
+    return None
+
+
+def _in_state_broadcast() -> bool:
+    """True when ``step()`` is called from ``broadcast_optimizer_state`` (Horovod's, or a copy of it),
+    which steps ranks with empty state to create it, on those ranks only."""
+    f = sys._getframe(2)
+    for _ in range(6):  # the caller, through optimizer/scheduler step wrappers
+        if f is None:
+            return False
+        if f.f_code.co_name == "broadcast_optimizer_state":
+            return True
+        f = f.f_back
+    return False
+
+
+def _grads_finite(params) -> bool:
+    return all(p.grad is None or bool(torch.isfinite(p.grad.coalesce()._values() if p.grad.is_sparse
+                                                     else p.grad).all()) for p in params)
+
+
+class _LocalOnly:
+    """Stands in for the gradient pipeline on a rank outside the process set: Horovod lets such a
+    rank construct the optimizer and step locally without communicating."""
+
+    buckets: list = []
+    in_flight = False
+    compress_s = 0.0
+    step = 0
+
+    routes: list = []
+
+    def finish(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        pass
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
 class _DistributedMixin:
     """Methods placed in front of the wrapped optimizer's class (see ``DistributedOptimizer``)."""
 
     def _hvd_ext_setup(self, named_parameters, compressor: Compressor, backward_passes_per_step: int,
                        op, gradient_predivide_factor: float, process_set, bucket_bytes: int,
-                       log_path: Optional[str]):
+                       log_path: Optional[str], sparse_as_dense: bool = False):
         import horovod.torch as hvd
 
         self._hvd = hvd
@@ -98,8 +203,13 @@ class _DistributedMixin:
                                   process_set=process_set)
         trainable = [(n, p) for n, p in named_parameters if p.requires_grad]
         self._parameter_names = {p: n for n, p in named_parameters}
-        self._pipeline = GradientPipeline(trainable, compressor, compressor.feedback, self._exchange,
-                                          bucket_bytes)
+        included = process_set.included()
+        if included:
+            self._pipeline = GradientPipeline(trainable, compressor, compressor.feedback, self._exchange,
+                                              bucket_bytes)
+        else:
+            self._pipeline = _LocalOnly()
+        self._state_agreed = not included
         self._allreduce_delay = {p: backward_passes_per_step for _, p in trainable}
         self._requires_update = {p for _, p in trainable}
         self._hook_handles = []
@@ -110,8 +220,44 @@ class _DistributedMixin:
         self._hooked_since_sync = False
         self.stats = CommStats(log_path)
         self._last_counts = (0, 0, 0.0, 0.0)
-        if process_set.included():
+        if included:
+            self._check_config(trainable, op, gradient_predivide_factor, bucket_bytes, sparse_as_dense)
             self._register_hooks()
+
+    def _check_config(self, trainable, op, gradient_predivide_factor, bucket_bytes, sparse_as_dense):
+        """One allgather of a small fingerprint at construction; every rank raises on a mismatch."""
+        buckets = [list(getattr(b, "names", [])) for b in getattr(self._pipeline, "buckets", [])]
+        fp = config_fingerprint(trainable, self._compression, self._exchange.op_name,
+                                self.backward_passes_per_step, gradient_predivide_factor, bucket_bytes,
+                                sparse_as_dense, buckets, list(getattr(self._pipeline, "routes", []) or []))
+        msg = fingerprint_mismatch(self._exchange.allgather_object(fp, "hvd_ext.config"))
+        if msg is not None:
+            raise ValueError(msg)
+
+    def _agree_state(self):
+        """Once, before this optimizer's first gradient exchange: if ranks hold hvd_ext state of
+        different steps (the resume recipe loads a checkpoint on rank 0 only), every rank takes the
+        most advanced rank's step, compressor state and rank-shared feedback state (e.g. ewma's S),
+        as ``broadcast_optimizer_state`` does for the torch state. Residual memories stay per rank."""
+        self._state_agreed = True
+        pipe, ex = self._pipeline, self._exchange
+        steps = ex.allgather_object(int(pipe.step), "hvd_ext.resume.steps")
+        if len(set(steps)) == 1:
+            return
+        root = steps.index(max(steps))
+        mine = None
+        if ex.rank == root:
+            fb = pipe.feedback
+            shared = getattr(fb, "shared_state_dict", None)
+            fb_state = shared() if callable(shared) else {
+                "memory": {k: v.clone() for k, v in fb.memory.items() if "\x00" in k}}
+            mine = {"step": int(pipe.step), "compressor": self._compression.state_dict(), "feedback": fb_state}
+        got = ex.allgather_object(mine, "hvd_ext.resume.state")[root]
+        if ex.rank != root and steps[ex.rank] != steps[root]:
+            pipe.step = int(got["step"])
+            self._compression.load_state_dict(got["compressor"])
+            load_shared = getattr(pipe.feedback, "load_shared_state_dict", None)
+            (load_shared or pipe.feedback.load_state_dict)(got["feedback"])
 
     # ---- hooks -----------------------------------------------------------------------------
     def _register_hooks(self):
@@ -122,6 +268,8 @@ class _DistributedMixin:
         def hook(param):
             if not self._exchange_gradients:
                 return
+            if not self._state_agreed:
+                self._agree_state()
             self._hooked_since_sync = True
             if self._allreduce_delay[p] <= 0:
                 raise AssertionError("Gradients were computed more than backward_passes_per_step times "
@@ -145,6 +293,8 @@ class _DistributedMixin:
         if not self.process_set.included() or not self._exchange_gradients:
             self._synchronized = True
             return
+        if not self._state_agreed:
+            self._agree_state()
         nonfinite = self._pipeline.finish()
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
@@ -172,6 +322,17 @@ class _DistributedMixin:
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if self._should_synchronize and not self._hooked_since_sync and _in_state_broadcast():
+            # hvd.broadcast_optimizer_state creates empty state by stepping (zero gradients) on the
+            # ranks that have none -- maybe rank 1 only: a local step, as Horovod's own optimizer does,
+            # and the parameters are put back (weight decay, ASGD's decay would move them).
+            params = [p for g in self.param_groups for p in g["params"]]
+            saved = [p.detach().clone() for p in params]
+            out = super().step(closure) if closure is not None else super().step()
+            with torch.no_grad():
+                for p, v in zip(params, saved):
+                    p.copy_(v)
+            return out
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -180,6 +341,10 @@ class _DistributedMixin:
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
+        if not self._exchange_gradients and not _grads_finite(self._requires_update):
+            # Local steps (a sync strategy between averages): keep NaN/Inf out of the parameters.
+            self.stats.skipped_steps += 1
+            return None
         if self._skip_next_step:
             # Some rank had a NaN/Inf gradient: every rank skips this update.
             self._skip_next_step = False
@@ -217,10 +382,7 @@ class _DistributedMixin:
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         ext = state_dict.pop("hvd_ext", None)
-        for b in self._pipeline.buckets:
-            b.pending = None
-            b.ready.clear()
-            b.items = []
+        self._pipeline.reset()
         self._synchronized = False
         self._should_synchronize = True
         self._skip_next_step = False
@@ -314,5 +476,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                           if not (callable(v) and getattr(v, "__self__", None) is optimizer)
                           and k not in ("step", "zero_grad")})
     dist._hvd_ext_setup(named, compressor, backward_passes_per_step, op, gradient_predivide_factor,
-                        process_set, bucket_bytes, log_path)
+                        process_set, bucket_bytes, log_path, bool(sparse_as_dense))
     return dist

@@ -22,8 +22,8 @@ from typing import Any, Dict
 import torch
 
 from ..options import Option
-from ._common import allreduce_average, allreduce_scalar_mean
-from .local_sgd import LOCAL_OPTIONS, LocalSGD
+from ._common import allreduce_scalar_mean
+from .local_sgd import LOCAL_OPTIONS, LocalSGD, finite_average
 
 _INT1 = dict(accepted="integer >= 1", check=lambda v: v >= 1)
 
@@ -95,10 +95,16 @@ class AdaptiveSync(LocalSGD):
                 f"delta_hi={self.delta_hi},warmup={self.warmup_steps}")
 
     def _average(self):
+        if not self.included:
+            return super()._average()
         moms = self.state.momentum_tensors()
         local = torch.cat([m.reshape(-1) for m in moms]).clone() if moms else torch.zeros(0)
-        nbytes, wait = allreduce_average(self.state.params + self.state.buffers + moms, name="hvd_ext.sync.params",
-                                         process_set=self.process_set)
+        # non-finite values never reach the average (they count as maximal divergence: H halves)
+        nbytes, wait, bad = finite_average(self.state.params + self.state.buffers + moms, "hvd_ext.sync.params",
+                                           self.process_set)
+        if bad:
+            self.skipped_syncs += 1
+            self.stats.extra["skipped_syncs"] = self.skipped_syncs
         mean = torch.cat([m.reshape(-1) for m in moms]) if moms else torch.zeros(0)
         d_i = momentum_divergence(local, mean) if moms else 0.0
         delta = allreduce_scalar_mean(d_i if math.isfinite(d_i) else 1e30, name="hvd_ext.sync.delta",

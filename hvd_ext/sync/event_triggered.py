@@ -49,6 +49,7 @@ import torch
 from ..options import Option
 from ._common import FlatState, check_optimizer_model, is_distributed_optimizer, resolve, stats_for
 from .param_server import PS_OPTIONS, ParameterServer, require_mpi_controller
+from .local_sgd import check_same_config
 
 STALENESS = ("loss", "inverse", "none")
 
@@ -122,6 +123,7 @@ class EventTriggeredSGD:
             optimizer.set_gradient_exchange(False)
         self.stats = stats_for(optimizer)
         x0 = self.state.params_vector()
+        check_same_config("EventTriggeredSGD", {"sync": self.describe(), "numel": int(x0.numel())})
         self.server = ParameterServer(x0.numel(), init=x0.numpy(), comm=comm, progress=o["progress"],
                                       progress_interval=o["progress_interval"])
         self.n = self.server.size
@@ -134,6 +136,7 @@ class EventTriggeredSGD:
         self._loss_sum, self._loss_n = 0.0, 0
         self._others_seen = 0.0
         self.reasons = {"threshold": 0, "tau_max": 0, "final": 0}
+        self.skipped_pushes = 0
         self.weights: list = []
         self.delays: list = []
         self._publish()
@@ -181,7 +184,13 @@ class EventTriggeredSGD:
             posted = board[board[:, 3] > 0, 0]
             lg = float(posted.mean()) if posted.size and math.isfinite(li) else None
             weight = staleness_weight(self.o["staleness"], self.o["gamma"], lg, li if math.isfinite(li) else None, tau)
-        delta = ((x - self.xhat) * (weight / self.n)).numpy()
+        delta = (x - self.xhat) * (weight / self.n)
+        if not bool(torch.isfinite(delta).all()):
+            # A non-finite value never reaches the server: push nothing, take z (recovers this rank).
+            delta = torch.zeros_like(delta)
+            self.skipped_pushes += 1
+            self.stats.extra["skipped_pushes"] = self.skipped_pushes
+        delta = delta.numpy()
         z = torch.from_numpy(self.server.push_pull(delta))
         self._others_seen = others
         self.state.set_params_vector(z)

@@ -24,10 +24,12 @@ ranks agree (DESIGN.md, rule of consistency).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
 
 from ..options import Option
-from ._common import FlatState, allreduce_average, check_optimizer_model, is_distributed_optimizer, resolve, stats_for
+from ._common import FlatState, check_optimizer_model, exchange_for, is_distributed_optimizer, resolve, stats_for
 
 _INT1 = dict(accepted="integer >= 1", check=lambda v: v >= 1)
 _INT0 = dict(accepted="integer >= 0", check=lambda v: v >= 0)
@@ -38,6 +40,40 @@ LOCAL_OPTIONS = {
     "sync_buffers": Option(bool, True, help="also average floating-point model buffers (BatchNorm stats)"),
     "sync_momentum": Option(bool, False, help="also average the optimizer's momentum/moment buffers"),
 }
+
+
+def finite_average(tensors: List[torch.Tensor], name: str, process_set=None) -> Tuple[int, float, int]:
+    """Average ``tensors`` in place over the ranks whose tensors are all finite.
+
+    One scalar allreduce counts the ranks holding NaN/Inf (same answer on every rank); those
+    ranks contribute zeros and the average is rescaled by N / (N - bad), so a non-finite value
+    never reaches the average and the bad rank gets the others' mean. If every rank is bad,
+    nothing is exchanged and every rank keeps its own values. Returns (bytes, seconds, bad)."""
+    ex = exchange_for(process_set)
+    bad = any(not bool(torch.isfinite(t).all()) for t in tensors)
+    nbad = int(round(ex.allreduce_scalar(1.0 if bad else 0.0, f"{name}.nonfinite")))
+    n = ex.size
+    if nbad >= n:
+        return 8, 0.0, nbad
+    if bad:
+        with torch.no_grad():
+            for t in tensors:
+                t.zero_()
+    nbytes, wait = ex.allreduce_average(tensors, name)
+    if nbad:
+        with torch.no_grad():
+            for t in tensors:
+                t.mul_(n / (n - nbad))
+    return nbytes + 8, wait, nbad
+
+
+def check_same_config(owner: str, fingerprint: Dict[str, Any], process_set=None) -> None:
+    """Once at construction: every rank raises ValueError naming what differs across ranks."""
+    from ..optimizer import fingerprint_mismatch
+
+    msg = fingerprint_mismatch(exchange_for(process_set).allgather_object(fingerprint, "hvd_ext.sync.config"), owner)
+    if msg is not None:
+        raise ValueError(msg)
 
 
 class _NoSharedState:
@@ -84,8 +120,26 @@ class LocalSGD(_NoSharedState):
         self.since_sync = 0       # local steps since the last parameter average
         self.syncs = 0            # parameter averages made
         self.grad_steps = 0       # steps whose gradients were exchanged (warm-up)
+        self.skipped_syncs = 0    # averages where some rank held a non-finite value
+        self.included = self.process_set.included()
+        self._agreed = not self.included
         self.stats.extra.setdefault("sync", self.describe())
+        if self.included:
+            check_same_config(owner, {"sync": self.describe(), "distributed": self.distributed,
+                                      "tensors": [tuple(t.shape) for t in self.state.params + self.state.buffers],
+                                      "momentum": bool(self.state.momentum)}, self.process_set)
         self._set_mode()
+
+    def _agree(self) -> None:
+        """Once, at the first step: if ranks hold different strategy state (a checkpoint loaded on
+        rank 0 only, as in Horovod's resume recipe), every rank takes the most advanced rank's, so
+        all ranks keep deciding identically when to average."""
+        self._agreed = True
+        states = exchange_for(self.process_set).allgather_object(self.state_dict(), "hvd_ext.sync.resume")
+        steps = [int(sd.get("steps", 0)) for sd in states]
+        root = steps.index(max(steps))
+        if any(sd != states[root] for sd in states):
+            self.load_state_dict(states[root])
 
     # ---- configuration (AdaptiveSync overrides) ------------------------------------------
     def _configure(self, opts: Dict[str, Any]) -> None:
@@ -108,6 +162,8 @@ class LocalSGD(_NoSharedState):
         return self.since_sync >= self.period
 
     def step(self, loss=None, closure=None):
+        if not self._agreed:
+            self._agree()
         warm = self.in_warmup()
         out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.steps += 1
@@ -133,13 +189,21 @@ class LocalSGD(_NoSharedState):
         return self.state.params + self.state.buffers + self.state.momentum_tensors()
 
     def _average(self):
-        nbytes, wait = allreduce_average(self._tensors(), name="hvd_ext.sync.params", process_set=self.process_set)
+        if not self.included:  # outside the process set: local steps only, as Horovod
+            self.since_sync = 0
+            return 0, 0.0
+        nbytes, wait, bad = finite_average(self._tensors(), "hvd_ext.sync.params", self.process_set)
+        if bad:
+            self.skipped_syncs += 1
+            self.stats.extra["skipped_syncs"] = self.skipped_syncs
         self.since_sync = 0
         self.syncs += 1
         return nbytes, wait
 
     def finish(self) -> None:
         """Average what is left since the last sync so every rank ends with the same model."""
+        if not self._agreed:
+            self._agree()
         if self.since_sync > 0:
             nbytes, wait = self._average()
             self.stats.exchanges += 1

@@ -1,0 +1,71 @@
+"""Ranks configured differently: every rank must raise a ValueError naming what differs, at
+construction, within seconds (no hang, no garbage). One case after another in one job."""
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
+
+import hvd_ext  # noqa: E402
+from common import emit  # noqa: E402
+
+hvd.init()
+torch.set_num_threads(1)
+RANK = hvd.rank()
+
+
+def model_fn(width=8):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, width), torch.nn.ReLU(), torch.nn.Linear(width, 3))
+
+
+def attempt(build):
+    t0 = time.perf_counter()
+    try:
+        build()
+        return {"error": None, "s": time.perf_counter() - t0}
+    except ValueError as e:
+        return {"error": str(e), "s": time.perf_counter() - t0}
+
+
+def opt_with(spec, width=8, **kw):
+    m = model_fn(width)
+    return hvd_ext.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                        compression=spec, **kw)
+
+
+cases = {
+    "none_vs_fp16": lambda: opt_with("none" if RANK == 0 else "fp16"),
+    "topk_vs_qsgd": lambda: opt_with("topk:ratio=0.01" if RANK == 0 else "qsgd:bits=8"),
+    "qsgd4_vs_qsgd8": lambda: opt_with("qsgd:bits=4" if RANK == 0 else "qsgd:bits=8"),
+    "feedback": lambda: opt_with("topk:ratio=0.1" if RANK == 0 else "topk:ratio=0.1,feedback=ewma"),
+    "shapes": lambda: opt_with("none", width=8 if RANK == 0 else 9),
+    "bucket_bytes": lambda: opt_with("none", bucket_bytes=1 << 20 if RANK == 0 else 64),
+    "op": lambda: opt_with("none", op=hvd.Average if RANK == 0 else hvd.Sum),
+    "passes": lambda: opt_with("none", backward_passes_per_step=1 if RANK == 0 else 2),
+    "sync": lambda: hvd_ext.sync_from_spec("local:period=4" if RANK == 0 else "local:period=8")(
+        opt_with("none"), model_fn()),
+    "same": lambda: opt_with("topk:ratio=0.1"),
+}
+res = {"rank": RANK}
+for name, build in cases.items():
+    res[name] = attempt(build)
+
+# the check runs once, at construction: time it against a training step
+m = model_fn(64)
+t0 = time.perf_counter()
+opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
+res["construct_s"] = time.perf_counter() - t0
+collectives = []
+x = torch.randn(16, 6)
+for i in range(3):
+    before = opt.exchange.stats.collectives
+    opt.zero_grad()
+    m(x).sum().backward()
+    opt.step()
+    collectives.append(opt.exchange.stats.collectives - before)
+res["collectives_per_step"] = collectives
+emit(**res)

@@ -1,0 +1,69 @@
+"""Process sets as in Horovod (4 ranks): even = {0, 2}, odd = {1, 3}. An optimizer on the even set
+is built on every rank; odd ranks step locally without communicating, even ranks average among
+themselves. Then the odd set gets its own optimizer (and a LocalSGD strategy) the other way round."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import hvd_ext  # noqa: E402
+from common import emit  # noqa: E402
+
+even, odd = hvd.ProcessSet([0, 2]), hvd.ProcessSet([1, 3])
+hvd.init(process_sets=[even, odd])
+torch.set_num_threads(1)
+RANK, SIZE = hvd.rank(), hvd.size()
+
+
+def model_fn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def data(i):
+    g = torch.Generator().manual_seed(1000 * RANK + i)
+    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+def flat(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def run(pset, spec, sync_spec=None, steps=4):
+    model, ref = model_fn(), model_fn()
+    opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(), compression=spec, process_set=pset)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)  # what a local-only rank must do
+    sync = hvd_ext.sync_from_spec(sync_spec)(opt, model) if sync_spec else None
+    hvd.broadcast_optimizer_state(opt, root_rank=0)  # the recipe, on every rank
+    for i in range(steps):
+        x, y = data(i)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            if o is opt and sync is not None:
+                sync.step(loss)
+            else:
+                o.step()
+    if sync is not None:
+        sync.finish()
+    allp = hvd.allgather(flat(model).unsqueeze(0), name=f"ps.{spec}.{sync_spec}")
+    members = [r for r in range(SIZE) if (r % 2 == 0) == (pset is even)]
+    return {"included": pset.included(), "collectives": opt.exchange.stats.collectives,
+            "members_spread": float((allp[members] - allp[members[0]]).abs().max()),
+            "local_err": float((flat(model) - flat(ref)).abs().max()),
+            "differs_from_member": float((allp[RANK] - allp[members[0]]).abs().max())}
+
+
+res = {"rank": RANK, "size": SIZE,
+       "even_none": run(even, "none"),
+       "even_topk": run(even, "topk:ratio=0.3"),
+       "odd_qsgd": run(odd, "qsgd:bits=8"),
+       "odd_local": run(odd, "none", "local:period=2")}
+emit(**res)
+hvd.barrier()

@@ -1,0 +1,143 @@
+"""Horovod's resume recipe with hvd_ext: rank 0 loads a checkpoint, the others start empty,
+then ``hvd.broadcast_parameters`` + ``hvd.broadcast_optimizer_state`` and training goes on.
+
+Also: a process set that excludes rank 1 (2 ranks), and the sync strategies resumed on rank 0 only.
+Prints one RESULT line per rank.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import hvd_ext  # noqa: E402
+from common import emit  # noqa: E402
+
+only0 = hvd.ProcessSet([0])
+hvd.init(process_sets=[only0])
+torch.set_num_threads(1)
+RANK, SIZE = hvd.rank(), hvd.size()
+
+
+def model_fn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def data(i):
+    g = torch.Generator().manual_seed(1000 * RANK + i)
+    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def spread(model):
+    allp = hvd.allgather(flat(model).unsqueeze(0), name="recipes.spread")
+    return float((allp - allp[0:1]).abs().max())
+
+
+def train(model, opt, first, n, sync=None):
+    for i in range(first, first + n):
+        x, y = data(i)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        (sync.step(loss) if sync is not None else opt.step())
+
+
+def kwargs_for(cls):
+    kw = {"lr": 0.01}
+    if cls is torch.optim.SGD:
+        kw["momentum"] = 0.9
+    return kw
+
+
+def resume_case(cls, spec, steps=3):
+    """Train, checkpoint (rank 0's state only), rebuild everything, load on rank 0 only, recipe, train."""
+    model = model_fn()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd_ext.DistributedOptimizer(cls(model.parameters(), **kwargs_for(cls)),
+                                       named_parameters=model.named_parameters(), compression=spec)
+    train(model, opt, 0, steps)
+    ckpt = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": opt.state_dict()}
+    # a new process: fresh model and optimizer everywhere, state on rank 0 only
+    model = model_fn()
+    opt = hvd_ext.DistributedOptimizer(cls(model.parameters(), **kwargs_for(cls)),
+                                       named_parameters=model.named_parameters(), compression=spec)
+    if RANK == 0:
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    after_recipe = spread(model)
+    train(model, opt, steps, steps)
+    ext = opt.state_dict()["hvd_ext"]
+    comp = ext.get("compressor", {})
+    comp_sig = float(sum(float(v.double().abs().sum()) for d in comp.values() if isinstance(d, dict)
+                         for v in d.values() if torch.is_tensor(v)))
+    steps_seen = hvd.allgather_object((int(ext["step"]), comp_sig), name="recipes.steps")
+    return {"after_recipe": after_recipe, "spread": spread(model), "finite": bool(torch.isfinite(flat(model)).all()),
+            "same_hvd_ext_state": len(set(steps_seen)) == 1, "step": int(ext["step"])}
+
+
+res = {"rank": RANK, "size": SIZE}
+
+# 1. every torch optimizer (LBFGS: Horovod refuses to broadcast its state; SparseAdam: sparse test)
+classes = sorted((c.__name__, c) for c in torch.optim.Optimizer.__subclasses__()
+                 if c.__module__.startswith("torch.optim") and c not in (torch.optim.LBFGS, torch.optim.SparseAdam)
+                 and c.__name__ != "Muon")
+res["optimizers"] = {name: resume_case(cls, "none") for name, cls in classes}
+
+# 2. compressors with feedback and/or compressor state (and step-dependent selection)
+specs = ["fp16", "topk:ratio=0.3", "topk:ratio=0.3,feedback=ewma", "powersgd:rank=1,min_compression=1",
+         "dgc:ratio=0.3", "signum", "randomk:ratio=0.3,shared=1", "qsgd:bits=4"]
+res["compressors"] = {spec: resume_case(torch.optim.SGD, spec) for spec in specs}
+
+# 3. sync strategies: strategy state loaded on rank 0 only
+sync_res = {}
+for sspec in ["every", "local:period=2", "adaptive:min=1,max=4"]:
+    model = model_fn()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                       named_parameters=model.named_parameters())
+    sync = hvd_ext.sync_from_spec(sspec)(opt, model)
+    train(model, opt, 0, 3, sync)
+    ck = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": opt.state_dict(),
+          "sync": sync.state_dict()}
+    model = model_fn()
+    opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                       named_parameters=model.named_parameters())
+    sync = hvd_ext.sync_from_spec(sspec)(opt, model)
+    if RANK == 0:
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        sync.load_state_dict(ck["sync"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    train(model, opt, 3, 5, sync)
+    sync.finish()
+    sync_res[sspec] = {"spread": spread(model), "steps": sync.state_dict().get("steps")}
+res["sync"] = sync_res
+
+# 4. a process set that excludes rank 1: constructs, steps locally, no communication there
+model = model_fn()
+before = flat(model).clone()
+opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   compression="topk:ratio=0.5", process_set=only0)
+collectives_before = opt.exchange.stats.collectives
+x, y = data(50)
+opt.zero_grad()
+F.cross_entropy(model(x), y).backward()
+expected = before - 0.1 * torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+opt.step()
+res["outside_set"] = {"included": only0.included(),
+                      "collectives": opt.exchange.stats.collectives - collectives_before,
+                      "local_step_err": float((flat(model) - expected).abs().max()) if RANK != 0 else None,
+                      "changed": bool((flat(model) - before).abs().max() > 0)}
+emit(**res)
+hvd.barrier()  # nobody shuts Horovod down while a process set collective still runs
