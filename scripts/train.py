@@ -163,7 +163,8 @@ def main(argv=None):
     loss_val = float("nan")
     start_step = 0
     if args.resume and args.checkpoint and os.path.exists(args.checkpoint):
-        start_step, history, train_time = _load_checkpoint(args.checkpoint, hvd, model, opt, sched, sync)
+        start_step, history, train_time = _load_checkpoint(args.checkpoint, hvd, model, opt, sched, sync,
+                                                           _run_config(args, model))
         if bar is not None:
             bar.update(start_step)
     slow = rank == args.slow_rank and args.slow_factor > 1.0
@@ -189,7 +190,7 @@ def main(argv=None):
             loss_val = loss.item()
             if args.checkpoint and args.checkpoint_every and (step_no + 1) % args.checkpoint_every == 0:
                 _save_checkpoint(args.checkpoint, hvd, step_no + 1, model, opt, sched, sync, history,
-                                 train_time + time.perf_counter() - t_epoch)
+                                 _run_config(args, model), train_time + time.perf_counter() - t_epoch)
             if args.crash_at_step and step_no + 1 == args.crash_at_step:
                 sys.stdout.flush()
                 os._exit(17)  # simulated kill of the whole job
@@ -209,7 +210,8 @@ def main(argv=None):
         history[-1]["test_acc"] = accuracy(model, x_test, y_test)
         history[-1]["train_time_s"] = train_time
     if args.checkpoint:
-        _save_checkpoint(args.checkpoint, hvd, total_steps, model, opt, sched, sync, history, train_time)
+        _save_checkpoint(args.checkpoint, hvd, total_steps, model, opt, sched, sync, history,
+                         _run_config(args, model), train_time)
     exchanges_per_rank = [int(e) for e in hvd.allgather_object(int(sync.exchanges), name="train.exchanges")]
     local_steps_per_rank = hvd.allgather_object(int(getattr(sync, "steps", total_steps)), name="train.local_steps")
 
@@ -269,26 +271,67 @@ def main(argv=None):
     return result
 
 
-def _save_checkpoint(path, hvd, step, model, opt, sched, sync, history, train_time):
+def _run_config(args, model):
+    """What a checkpoint must match to be resumed: method and model layout."""
+    import hvd_ext
+
+    return {"compression": ("horovod:" if args.plain_horovod else "") + hvd_ext.compression_from_spec(args.compression).spec(),
+            "sync": hvd_ext.sync_from_spec(args.sync).spec(),
+            "model": [(n, tuple(p.shape)) for n, p in model.state_dict().items()]}
+
+
+def _save_checkpoint(path, hvd, step, model, opt, sched, sync, history, config, train_time):
     """Collective: every rank's model/optimizer/scheduler/sync state (ranks may differ between
-    syncs) and the parameter-server state, written by rank 0 atomically."""
+    syncs) and the parameter-server state, written by rank 0 atomically (temp file + os.replace:
+    a crash mid-write leaves the previous checkpoint intact)."""
     mine = {"model": model.state_dict(), "optimizer": opt.state_dict(), "sched": sched.state_dict(),
             "sync": sync.state_dict()}
     per_rank = hvd.allgather_object(mine, name="train.ckpt.gather")  # every rank is at `step` now
     if hvd.rank() == 0:
-        ckpt = {"step": step, "ranks": hvd.size(), "per_rank": per_rank, "server": sync.shared_state_dict(),
-                "history": history, "train_time_s": train_time}
-        tmp = f"{path}.tmp"
+        ckpt = {"format": "hvd_ext.train/1", "config": config, "step": step, "ranks": hvd.size(),
+                "per_rank": per_rank, "server": sync.shared_state_dict(), "history": history,
+                "train_time_s": train_time}
+        tmp = f"{path}.tmp.{os.getpid()}"
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        torch.save(ckpt, tmp)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(ckpt, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     hvd.barrier()  # nobody pushes to the server while rank 0 reads it
 
 
-def _load_checkpoint(path, hvd, model, opt, sched, sync):
-    ckpt = torch.load(path, weights_only=False)
-    if ckpt["ranks"] != hvd.size():
-        raise ValueError(f"--resume: checkpoint {path} has {ckpt['ranks']} ranks, this job {hvd.size()}")
+def read_checkpoint(path, config, size):
+    """Load and check a checkpoint; ValueError naming the file and what is wrong (every rank
+    reads the same file, so every rank raises the same error before any collective)."""
+    try:
+        ckpt = torch.load(path, weights_only=False, map_location="cpu")
+    except Exception as e:  # truncated / corrupt / not a torch file
+        raise ValueError(f"--resume: checkpoint {path} is unreadable or corrupt ({type(e).__name__}: {e}); "
+                         "delete it or pass another --checkpoint") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != "hvd_ext.train/1":
+        raise ValueError(f"--resume: {path} is not a scripts/train.py checkpoint (format "
+                         f"{ckpt.get('format') if isinstance(ckpt, dict) else type(ckpt).__name__!r}; "
+                         "accepted: 'hvd_ext.train/1')")
+    saved = ckpt.get("config", {})
+    for key in ("compression", "sync", "model"):
+        if saved.get(key) != config[key]:
+            a, b = saved.get(key), config[key]
+            if key == "model":
+                diff = [x for x in zip(a or [], b) if x[0] != x[1]]
+                a, b = (diff[0] if diff else (f"{len(a or [])} tensors", f"{len(b)} tensors"))
+            raise ValueError(f"--resume: checkpoint {path} was written with {key} {a!r}, this run has {b!r}")
+    if ckpt["ranks"] != size:
+        raise ValueError(f"--resume: checkpoint {path} has {ckpt['ranks']} ranks, this job {size}")
+    return ckpt
+
+
+def _load_checkpoint(path, hvd, model, opt, sched, sync, config):
+    ckpt = read_checkpoint(path, config, hvd.size())
     mine = ckpt["per_rank"][hvd.rank()]
     model.load_state_dict(mine["model"])
     opt.load_state_dict(mine["optimizer"])
