@@ -66,7 +66,7 @@ class Option:
                 out = value
             else:
                 raise TypeError(type(value).__name__)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: int('1e400'), int(inf)
             raise ValueError(
                 f"{owner}: bad value {value!r} for '{key}': expected {self.type.__name__}, "
                 f"accepted: {self.describe()}"

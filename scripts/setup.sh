@@ -2,7 +2,7 @@
 # Idempotent setup for hvd_ext on a Debian/Ubuntu machine (run as root, or with sudo for apt).
 #   - OpenMPI from apt (plus iproute2 for the shaped-network benchmarks)
 #   - a virtual environment at .venv in the repository root
-#   - torch 2.13.0, numpy, mpi4py, pytest, mnist1d, tqdm, matplotlib, cupy
+#   - torch 2.13.0, numpy, mpi4py, pytest, hypothesis, mnist1d, tqdm, matplotlib, cupy
 #   - horovod 0.28.1 built from source with PyTorch + MPI + Gloo
 #     (and NCCL GPU operations when CUDA and NCCL are found)
 #   - hvd_ext installed editable
@@ -62,7 +62,7 @@ STEP="python packages (torch, numpy, mpi4py, pytest, mnist1d, tqdm, matplotlib, 
 if ! "$VPY" - <<PYEOF >/dev/null 2>&1
 import importlib.metadata as m, sys
 need = {"torch": "$TORCH_VERSION"}
-for name in ["numpy", "mpi4py", "pytest", "mnist1d", "tqdm", "matplotlib", "$CUPY", "psutil", "cloudpickle", "pytest-timeout"]:
+for name in ["numpy", "mpi4py", "pytest", "mnist1d", "tqdm", "matplotlib", "$CUPY", "psutil", "cloudpickle", "pytest-timeout", "hypothesis"]:
     m.version(name)
 v = m.version("torch").split("+")[0]
 sys.exit(0 if v == need["torch"] else 1)
@@ -71,7 +71,7 @@ then
   log "pip install torch==$TORCH_VERSION and friends"
   "${PIP[@]}" --upgrade pip setuptools wheel
   "${PIP[@]}" "torch==$TORCH_VERSION"
-  "${PIP[@]}" numpy mpi4py pytest pytest-timeout mnist1d tqdm matplotlib psutil cloudpickle packaging pyyaml
+  "${PIP[@]}" numpy mpi4py pytest pytest-timeout hypothesis mnist1d tqdm matplotlib psutil cloudpickle packaging pyyaml
   # CuPy: the wheel imports without a GPU; kernels fall back to torch where there is no device.
   "${PIP[@]}" "$CUPY" || log "warning: $CUPY could not be installed; GPU kernels disabled (torch fallback)"
 else
