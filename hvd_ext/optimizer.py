@@ -25,6 +25,7 @@ from .compression import compression_from_spec, make_feedback
 from .compression.base import Compressor
 from .exchange import Exchange
 from .pipeline import GradientPipeline
+from .sparse_grad import SparseExchange
 from .stats import CommStats
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # PyTorch DDP's default bucket size
@@ -210,6 +211,16 @@ class _DistributedMixin:
         else:
             self._pipeline = _LocalOnly()
         self._state_agreed = not included
+        # Sparse gradients (Horovod's sparse allgather path unless sparse_as_dense): which parameters
+        # are sparse is learnt at the first exchange and agreed once; they then leave the pipeline.
+        self._trainable, self._bucket_bytes = trainable, bucket_bytes
+        self._sparse_as_dense = bool(sparse_as_dense) or self._exchange.op_name == "adasum"
+        self._sparse_seen: Dict[str, int] = {}          # name -> sparse_dim seen in a hook
+        self._sparse: List[tuple] = []                  # agreed: (name, param, sparse_dim)
+        self._sparse_ids: set = set()
+        self._sparse_dim: Dict[int, int] = {}
+        self._sparse_probed = not included or self._sparse_as_dense
+        self._sparse_ex = SparseExchange(self._exchange, torch.float16 if compressor.name == "fp16" else None)
         self._allreduce_delay = {p: backward_passes_per_step for _, p in trainable}
         self._requires_update = {p for _, p in trainable}
         self._hook_handles = []
@@ -276,9 +287,35 @@ class _DistributedMixin:
                                      "before call to step(). Increase backward_passes_per_step to "
                                      "accumulate gradients locally.")
             self._allreduce_delay[p] -= 1
+            if not self._sparse_probed and param.grad is not None and param.grad.is_sparse:
+                self._sparse_seen[self._parameter_names[p]] = param.grad.sparse_dim()
             if self._allreduce_delay[p] == 0:
-                self._pipeline.mark_ready(p)
+                if id(p) in self._sparse_ids:
+                    self._sparse_ex.start(self._parameter_names[p], p, self._sparse_dim[id(p)])
+                else:
+                    self._pipeline.mark_ready(p)
         return hook
+
+    def _probe_sparse(self, dense_written) -> None:
+        """Once, after the first exchange: agree on the parameters whose gradients are sparse (union
+        over ranks), hand this step's averages of them back sparse, and rebuild the pipeline without
+        them (its state carried over) so later steps send them as indices + values."""
+        self._sparse_probed = True
+        seen = self._exchange.allgather_object(sorted(self._sparse_seen.items()), "hvd_ext.sparse.names")
+        dims = {n: d for per_rank in seen for n, d in per_rank}
+        if not dims:
+            return
+        self._sparse = [(n, p, dims[n]) for n, p in self._trainable if n in dims]
+        self._sparse_ids = {id(p) for _, p, _ in self._sparse}
+        self._sparse_dim = {id(p): d for _, p, d in self._sparse}
+        for n, p, d in self._sparse:
+            if dense_written and p.grad is not None and not p.grad.is_sparse:
+                p.grad = p.grad.to_sparse(d)
+        state = self._pipeline.state_dict()
+        self._pipeline = GradientPipeline([(n, p) for n, p in self._trainable if id(p) not in self._sparse_ids],
+                                          self._compression, self._compression.feedback, self._exchange,
+                                          self._bucket_bytes)
+        self._pipeline.load_state_dict(state)
 
     # ---- Horovod API ------------------------------------------------------------------------
     def set_backward_passes_per_step(self, passes: int):
@@ -296,8 +333,16 @@ class _DistributedMixin:
         if not self._state_agreed:
             self._agree_state()
         nonfinite = self._pipeline.finish()
+        if self._sparse:
+            nonfinite = self._sparse_ex.finish(self._sparse) or nonfinite
+        if not self._sparse_probed:
+            self._probe_sparse(dense_written=True)
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
+            if not p.requires_grad:
+                # Frozen after construction (fine-tuning): the exchange still ran identically on every
+                # rank, but the parameter gets no update -- not even feedback memory or momentum.
+                p.grad = None
         self._hooked_since_sync = False
         self._synchronized = True
         self._skip_next_step = nonfinite
@@ -352,7 +397,7 @@ class _DistributedMixin:
         return super().step(closure) if closure is not None else super().step()
 
     def zero_grad(self, *args, **kwargs):
-        if self._pipeline.in_flight:
+        if self._pipeline.in_flight or self._sparse_ex.in_flight:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it "
                                  "can cause a race condition.")
@@ -370,7 +415,7 @@ class _DistributedMixin:
     def set_gradient_exchange(self, enabled: bool) -> None:
         """Turn the per-step gradient exchange on or off (sync strategies use this between
         parameter averages). Must be called identically on every rank."""
-        if self._pipeline.in_flight:
+        if self._pipeline.in_flight or self._sparse_ex.in_flight:
             raise AssertionError("set_gradient_exchange() called while gradients are being exchanged")
         self._exchange_gradients = bool(enabled)
 
@@ -383,6 +428,7 @@ class _DistributedMixin:
         state_dict = dict(state_dict)
         ext = state_dict.pop("hvd_ext", None)
         self._pipeline.reset()
+        self._sparse_ex.reset()
         self._synchronized = False
         self._should_synchronize = True
         self._skip_next_step = False
@@ -430,7 +476,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
       log_path: append one JSON line of stats per step to this file.
 
     ``num_groups``/``groups`` are accepted for compatibility; hvd_ext fuses by
-    ``bucket_bytes`` instead. Sparse gradients are always exchanged as dense.
+    ``bucket_bytes`` instead. Sparse gradients (``nn.Embedding(sparse=True)``) are exchanged as
+    indices + values and handed back sparse, unless ``sparse_as_dense=True`` (see ``sparse_grad``).
     Every argument is checked before any collective starts.
     """
     import horovod.torch as hvd

@@ -200,3 +200,29 @@ def test_checkpoint_atomic_and_checked_on_resume(tmp_path, monkeypatch):
         train.read_checkpoint(str(path), wider, hvd.size())
     with pytest.raises(ValueError, match="has 1 ranks, this job 2"):
         train.read_checkpoint(str(path), config, 2)
+
+
+# ---- 6. compatibility: patterns of Horovod scripts (see also test_optimizer_multirank's horovod_compat) --
+def test_horovod_usage_patterns_gloo():
+    res = launch("recipes_compat.py", np=2, launcher="gloo", timeout=180)
+    for r in res:
+        for spec in ("none", "topk:ratio=0.5"):
+            c = r[f"requires_grad|{spec}"]
+            assert c["spread"] == 0.0 and not c["frozen_moved"], spec  # frozen: not even feedback moves it
+        assert r["bpps"] == {"err": 0.0, "spread": 0.0, "third_backward_raises": True}
+        o = r["one_rank_module"]
+        assert o["spread"] == 0.0 and o["extra_moved"] and o["unused_grad_zero"]
+
+
+# ---- 7. sparse gradients ---------------------------------------------------------------------------------
+def test_sparse_embedding_gradients():
+    res = launch("recipes_sparse.py", np=2, launcher="gloo", timeout=180)
+    for r in res:
+        for case in ("sgd", "sgd_topk", "sparse_adam"):
+            c = r[case]
+            assert all(c["sparse_grad"]) and c["spread"] == 0.0 and c["err"] < 1e-6, case
+            # first step learns which gradients are sparse (dense exchange); then indices + values only
+            assert max(c["bytes"][1:]) * 20 < r["dense_bytes"], (case, c["bytes"])
+        d = r["as_dense"]
+        assert not any(d["sparse_grad"]) and d["spread"] == 0.0 and d["err"] < 1e-6
+        assert min(d["bytes"]) >= r["dense_bytes"]

@@ -1,0 +1,91 @@
+"""Sparse embeddings: gradients exchanged as indices + values and handed back sparse (SparseAdam,
+SGD), or dense with sparse_as_dense=True. Gloo, 2 ranks."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import hvd_ext  # noqa: E402
+from common import emit  # noqa: E402
+
+hvd.init()
+torch.set_num_threads(1)
+RANK = hvd.rank()
+VOCAB, DIM = 1000, 16
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM, sparse=True)
+        self.head = torch.nn.Linear(DIM, 3)
+
+    def forward(self, tok):
+        return self.head(self.emb(tok).mean(1))
+
+
+def fresh():
+    torch.manual_seed(0)
+    return Net()
+
+
+def data(i):
+    g = torch.Generator().manual_seed(1000 * RANK + i)
+    return torch.randint(0, VOCAB, (4, 3), generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+def spread(m, name):
+    flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    allp = hvd.allgather(flat.unsqueeze(0), name=name)
+    return float((allp - allp[0:1]).abs().max())
+
+
+def run(case, make_opts, steps=3, check_grad=False):
+    model = fresh()
+    opts = make_opts(model)
+    for o in opts:
+        hvd.broadcast_optimizer_state(o, root_rank=0)  # Horovod sets sparse zero grads for SparseAdam
+    out = {"sparse_grad": [], "err": 0.0, "bytes": []}
+    for i in range(steps):
+        for o in opts:
+            o.zero_grad()
+        tok, y = data(i)
+        before = [o.exchange.stats.bytes_sent for o in opts]  # hooks start exchanges during backward
+        F.cross_entropy(model(tok), y).backward()
+        local = model.emb.weight.grad.to_dense().clone()
+        for o in opts:
+            o.synchronize()
+        out["bytes"].append(sum(o.exchange.stats.bytes_sent - b for o, b in zip(opts, before)))
+        g = model.emb.weight.grad
+        out["sparse_grad"].append(bool(g.is_sparse))
+        if check_grad:
+            want = hvd.allreduce(local, name=f"{case}.{i}", op=hvd.Average)
+            out["err"] = max(out["err"], float((g.to_dense() - want).abs().max()))
+        for o in opts:
+            with o.skip_synchronize():
+                o.step()
+    out["spread"] = spread(model, case)
+    return out
+
+
+res = {"rank": RANK}
+res["sgd"] = run("sgd", lambda m: [hvd_ext.DistributedOptimizer(
+    torch.optim.SGD(m.parameters(), lr=0.5), named_parameters=m.named_parameters())], check_grad=True)
+res["sgd_topk"] = run("sgd_topk", lambda m: [hvd_ext.DistributedOptimizer(
+    torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9), named_parameters=m.named_parameters(),
+    compression="topk:ratio=0.3")])
+res["sparse_adam"] = run("sparse_adam", lambda m: [
+    hvd_ext.DistributedOptimizer(torch.optim.SparseAdam(list(m.emb.parameters()), lr=0.01),
+                                 named_parameters=list(m.emb.named_parameters())),
+    hvd_ext.DistributedOptimizer(torch.optim.Adam(m.head.parameters(), lr=0.01),
+                                 named_parameters=list(m.head.named_parameters()))], check_grad=True)
+res["as_dense"] = run("as_dense", lambda m: [hvd_ext.DistributedOptimizer(
+    torch.optim.SGD(m.parameters(), lr=0.5), named_parameters=m.named_parameters(), sparse_as_dense=True)],
+    check_grad=True)
+res["dense_bytes"] = VOCAB * DIM * 4
+emit(**res)
+hvd.barrier()
