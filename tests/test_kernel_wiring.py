@@ -178,6 +178,8 @@ WIRING = {
     "natural": {"pack_bits", "unpack_bits"},
     "signsgd": {"sign_pack", "majority_vote", "unpack_bits"},
     "signum": {"sign_pack", "majority_vote", "unpack_bits"},
+    "signsgd:scale=none": {"sign_pack", "majority_vote", "unpack_bits"},
+    "signum:scale=none": {"sign_pack", "majority_vote", "unpack_bits"},
     "efsignsgd": {"sign_pack", "unpack_bits", "residual_update"},
     "onebit": {"sign_pack", "unpack_bits", "residual_update"},
 }
@@ -371,7 +373,8 @@ requires_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=GPU_REASON or "
 # elementwise-only inputs to the payload: same selection and same bytes on CPU and GPU (the
 # aggregated sums may differ in float rounding order only). Not here: codecs whose payload holds a
 # reduction (efsignsgd, onebit: a mean) or random draws, and ewma (its S feeds back into u).
-DETERMINISTIC = {"topk:ratio=0.01", "threshold:tau=1.5", "signsgd", "signum"}
+# (signsgd/signum: their default scale=l1 payload holds chunk means too; the bare vote is checked)
+DETERMINISTIC = {"topk:ratio=0.01", "threshold:tau=1.5", "signsgd:scale=none", "signum:scale=none"}
 
 
 def _to_cpu(v):

@@ -177,8 +177,11 @@ def _formula(spec, n):
         "qsgd:bits=8,bucket=0": 4 + cb(8),
         "qsgd:levels=2,bucket=100": 4 * math.ceil(n / 100) + cb(3),
         "terngrad": 4 + cb(2),
-        "signsgd": cb(1),
-        "signum": cb(1),
+        "signsgd": 4 * math.ceil(n / 128) + cb(1),
+        "signum": 4 * math.ceil(n / 128) + cb(1),
+        "signsgd:scale=none": cb(1),
+        "signum:scale=none": cb(1),
+        "signsgd:bucket=0": 4 + cb(1),
         "efsignsgd": 4 * math.ceil(n / 1024) + cb(1),
         "efsignsgd:bucket=0": 4 + cb(1),
         "efsignsgd:bucket=100": 4 * math.ceil(n / 100) + cb(1),
@@ -195,7 +198,8 @@ def _formula(spec, n):
 
 
 @pytest.mark.parametrize("spec", ["qsgd", "qsgd:bits=8,bucket=0", "qsgd:levels=2,bucket=100", "terngrad",
-                                  "signsgd", "signum", "efsignsgd", "onebit", "natural", "int8",
+                                  "signsgd", "signum", "signsgd:scale=none", "signum:scale=none",
+                                  "signsgd:bucket=0", "efsignsgd", "onebit", "natural", "int8",
                                   "efsignsgd:bucket=0", "efsignsgd:bucket=100", "onebit:bucket=0",
                                   "onebit:bucket=100", "int8:chunk=0", "qdist", "qdist:bits=5,dist=laplace",
                                   "qdist:bits=2,dist=empirical"])
@@ -210,8 +214,10 @@ def test_wire_bytes(spec):
 
 def test_decoded_values():
     x = torch.tensor([3.0, -1.0, 0.5, -0.25, 0.0, 6.0])
-    _, d = roundtrip(C("signsgd"), x)
+    _, d = roundtrip(C("signsgd:scale=none"), x)
     assert d.tolist() == [1, -1, 1, -1, 1, 1]
+    _, d = roundtrip(C("signsgd"), x)  # default scale=l1: sign times the chunk's mean |x|
+    assert torch.allclose(d, torch.tensor([1, -1, 1, -1, 1, 1.0]) * x.abs().mean())
     _, d = roundtrip(C("efsignsgd"), x)
     assert torch.allclose(d, torch.tensor([1, -1, 1, -1, 1, 1.0]) * x.abs().mean())
     _, d = roundtrip(C("onebit"), x)
@@ -286,7 +292,10 @@ def test_signum_momentum_state():
     comp.commit()
     # m = 0.5*(0.5*g1) + 0.5*g2 = [-1.25, 0, 0]  -> signs (>= 0 -> +)
     assert torch.allclose(comp.momentum["w"], torch.tensor([-1.25, 0.0, 0.0]))
-    assert d.tolist() == [-1, 1, 1]
+    # default scale=l1: signs times mean|m| / (1 - beta) = (1.25 / 3) / 0.5
+    assert torch.allclose(d, torch.tensor([-1.0, 1.0, 1.0]) * (1.25 / 3) / 0.5)
+    _, bare = roundtrip(C("signum:beta=0.5,scale=none"), g2, step=0)
+    assert bare.tolist() == [-1, 1, -1]  # scale=none: the bare signs of m = 0.5 * g2
     other = C("signum:beta=0.5")
     other.load_state_dict(state)
     _, d2 = roundtrip(other, g2, step=1)

@@ -108,6 +108,17 @@ class Compressor:
     def validate(self) -> None:
         """Cross-option checks; raise ValueError naming the problem."""
 
+    def bind_optimizer(self, optimizer) -> None:
+        """Called once by ``hvd_ext.DistributedOptimizer`` with the wrapped torch optimizer,
+        before any collective. A compressor that owns part of the update rule (DGC's momentum
+        correction) checks or adapts the optimizer here, and raises ``ValueError`` or warns
+        with the exact fix when the combination cannot work. Default: pass it on to the
+        feedback (``Feedback.bind_optimizer``; momentum-correcting feedbacks take over SGD
+        momentum there)."""
+        bind = getattr(self.feedback, "bind_optimizer", None)
+        if bind is not None:
+            bind(optimizer)
+
     # ---- codec -------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, info: TensorInfo) -> Tuple[torch.Tensor, Any]:
         raise NotImplementedError

@@ -6,8 +6,11 @@ All four parts of the paper:
    feedback ``dgc_momentum`` (the default and only accepted feedback, see
    :mod:`hvd_ext.feedback.dgc_momentum`): the velocity u <- m*u + g is
    accumulated into v <- v + u, v is sparsified, and both u and v are zeroed
-   on the sent coordinates. Use the outer optimizer *without* momentum (the
-   momentum is applied here, before the exchange).
+   on the sent coordinates. The momentum is applied here, before the
+   exchange: DGC takes over a ``torch.optim.SGD`` optimizer's momentum (its
+   value drives the correction, the optimizer's is set to 0, with a warning),
+   switches the correction off for Adam-family optimizers, and refuses other
+   optimizers with momentum (see ``bind_optimizer``).
 2. **Local gradient clipping**: ``clip`` (feedback option) clips each
    tensor's local gradient norm to clip / sqrt(N) before it is accumulated
    (the paper clips the model's gradient; we clip per tensor).

@@ -14,6 +14,7 @@ The memory is part of the optimizer ``state_dict()``.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, ClassVar, Dict, Optional
 
 import torch
@@ -31,6 +32,9 @@ class Feedback:
             setattr(self, k, v)
         self.memory: Dict[str, torch.Tensor] = {}
         self._pending: Dict[str, torch.Tensor] = {}
+
+    def bind_optimizer(self, optimizer) -> None:
+        """See ``Compressor.bind_optimizer`` (which calls this). Default: nothing."""
 
     def compensate(self, name: str, grad: torch.Tensor, info) -> torch.Tensor:
         return grad
@@ -56,6 +60,84 @@ class Feedback:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.memory = {k: v.clone() for k, v in state.get("memory", {}).items()}
         self._pending = {}
+
+
+class MomentumTakeover:
+    """Mixin for feedbacks that apply SGD momentum *before* compression (momentum correction,
+    Lin et al. 2018, Sec. 3.2): with error feedback, momentum applied by the outer optimizer to
+    the compressed, delayed stream of updates destabilizes training (measured: dgc, topk,
+    randomk, efsignsgd, onebit, powersgd at lr 0.05 / momentum 0.9 on the main job's model);
+    accumulating the velocity locally and compressing it keeps the sum of applied updates
+    equal to momentum SGD's.
+
+    ``bind_optimizer`` (reached through ``Compressor.bind_optimizer``): a ``torch.optim.SGD``
+    optimizer's momentum m > 0 is taken over -- this feedback uses m (unless the spec set
+    ``momentum=`` explicitly) and the optimizer's ``momentum`` is set to 0, with a one-time
+    warning. The check repeats once per step, so a scheduler cycling SGD momentum
+    (``OneCycleLR``) drives this momentum instead of re-enabling the optimizer's. Other
+    optimizers are left alone (``adam_momentum`` says what to do with Adam's). A non-SGD
+    optimizer with a non-zero ``momentum`` (RMSprop) is refused when this feedback applies
+    momentum itself."""
+
+    #: momentum used with Adam-family optimizers when the spec does not set ``momentum=``
+    #: (None: leave ``self.momentum`` as it is).
+    adam_momentum: Optional[float] = None
+
+    def _init_takeover(self, kwargs) -> None:
+        self._explicit_momentum = "momentum" in kwargs
+        self._optimizer = None
+        self._checked_step = None
+
+    def bind_optimizer(self, optimizer) -> None:
+        groups = optimizer.param_groups
+        kind = type(optimizer).__name__
+        if self._explicit_momentum and not self.momentum:
+            return  # the spec says momentum=0: leave the optimizer's momentum alone
+        if isinstance(optimizer, torch.optim.SGD):
+            self._optimizer = optimizer
+            self._take_over_momentum(announce=True)
+        elif any("betas" in g for g in groups):
+            if self.adam_momentum is not None and not self._explicit_momentum and self.momentum != self.adam_momentum:
+                warnings.warn(f"hvd_ext feedback '{self.name}': {kind} keeps its own first moment (betas), so the "
+                              f"momentum correction is switched off (momentum={self.adam_momentum}). To force "
+                              f"it anyway put momentum=0.9 in the compression spec.", stacklevel=4)
+                self.momentum = self.adam_momentum
+        elif self.momentum and any(float(g.get("momentum", 0) or 0) != 0 for g in groups):
+            raise ValueError(f"feedback '{self.name}' applies momentum {self.momentum} itself (momentum "
+                             f"correction); {kind} has momentum={[g.get('momentum') for g in groups]}: create "
+                             f"the optimizer with momentum=0, use torch.optim.SGD (whose momentum is taken "
+                             f"over), or put momentum=0 in the compression spec")
+
+    def _take_over_momentum(self, announce: bool = False) -> None:
+        groups = self._optimizer.param_groups
+        found = sorted({float(g.get("momentum", 0) or 0) for g in groups} - {0.0})
+        if not found:
+            return
+        if len(found) > 1:
+            raise ValueError(f"feedback '{self.name}' takes over the optimizer's momentum, but its parameter "
+                             f"groups have different momenta {found}: give every group the same momentum, "
+                             f"or create the optimizer with momentum=0 and put momentum= in the spec")
+        m = found[0]
+        special = any(g.get("nesterov") or float(g.get("dampening", 0) or 0) != 0 for g in groups)
+        for g in groups:
+            g["momentum"] = 0.0
+        if announce:
+            used = self.momentum if self._explicit_momentum else m
+            warnings.warn(f"hvd_ext feedback '{self.name}': took over the optimizer's momentum {m} (momentum "
+                          f"correction, Lin et al. 2018): the optimizer now runs with momentum=0 and the "
+                          f"momentum {used} is applied before compression"
+                          + (" (nesterov/dampening not reproduced)" if special else "")
+                          + ". To silence this, create the optimizer with momentum=0 (the feedback then uses "
+                            "the spec's momentum).", stacklevel=5)
+        if not self._explicit_momentum:
+            self.momentum = m
+
+    def _check_optimizer(self, info) -> None:
+        if self._optimizer is not None:
+            step = getattr(info, "step", None)
+            if step != self._checked_step:  # once per step: a scheduler may have set momentum again
+                self._checked_step = step
+                self._take_over_momentum()
 
 
 _REGISTRY: Dict[str, type] = {}

@@ -11,7 +11,24 @@ Per tensor, worker-local (the default feedback of ``dgc``)::
 so sent + v_new = v exactly. The sent set is the compressor's
 ``info.sparse_indices`` when it provides one, else ``sent != 0``.
 The memory holds u and v per tensor; with ``momentum=0`` and no clipping this
-is plain residual feedback. Use the outer optimizer without momentum.
+is plain residual feedback.
+
+DGC owns the momentum (momentum correction, Lin et al. 2018, Sec. 3.2): the
+outer optimizer must not apply it a second time. ``bind_optimizer`` (called by
+``hvd_ext.DistributedOptimizer`` through the ``dgc`` compressor;
+:class:`~hvd_ext.feedback.base.MomentumTakeover`) therefore
+
+* ``torch.optim.SGD`` with momentum m > 0: takes it over -- the correction uses
+  m (unless the spec sets ``momentum=`` explicitly) and the optimizer's
+  ``momentum`` is set to 0, with a one-time warning. The check is repeated at
+  every step, so a scheduler that cycles SGD momentum (``OneCycleLR``) drives
+  DGC's momentum instead of re-enabling the optimizer's;
+* Adam-family optimizers (``betas``): their first moment already is the
+  momentum, so the correction is switched off (``momentum=0``: DGC is then
+  top-k with accumulation, masking, clipping and warm-up) unless the spec sets
+  ``momentum=`` explicitly; a one-time warning says so;
+* any other optimizer with a non-zero ``momentum`` (RMSprop, ...): ``ValueError``
+  asking for ``momentum=0`` on the optimizer.
 """
 from __future__ import annotations
 
@@ -20,7 +37,7 @@ import math
 import torch
 
 from ..options import Option, non_negative
-from .base import Feedback, register
+from .base import Feedback, MomentumTakeover, register
 from .residual import residual_of
 
 _U = "\x00dgc_u"
@@ -38,15 +55,22 @@ def sent_mask(sent: torch.Tensor, info) -> torch.Tensor:
 
 
 @register("dgc_momentum")
-class DGCMomentumFeedback(Feedback):
+class DGCMomentumFeedback(MomentumTakeover, Feedback):
     options = {
         "momentum": Option(float, 0.9, "0 <= momentum < 1", lambda v: 0 <= v < 1,
-                           help="momentum of the correction (use the outer optimizer without momentum)"),
+                           help="momentum of the correction (default: the SGD optimizer's, which is taken over)"),
         "clip": Option(float, 0.0, "clip >= 0 (0 = off)", non_negative,
                        help="local gradient clipping: per-tensor max norm clip/sqrt(N)"),
     }
 
+    adam_momentum = 0.0  # Adam's first moment is the momentum: correction off unless the spec sets it
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self._init_takeover(kw)
+
     def compensate(self, name, grad, info):
+        self._check_optimizer(info)
         g = grad
         if self.clip > 0:
             limit = self.clip / math.sqrt(max(int(getattr(info, "size", 1)), 1))

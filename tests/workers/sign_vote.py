@@ -1,7 +1,7 @@
 """2-rank check of the quantization family through the real pipeline and exchange.
 
-* signsgd: each rank sets known gradients; the applied gradient must be the
-  majority vote sign(sign_0 + sign_1) (0 on ties).
+* signsgd:scale=none: each rank sets known gradients; the applied gradient must be the
+  bare majority vote sign(sign_0 + sign_1) (0 on ties).
 * powersgd:rank=2: rank i's gradient is A + (-1)^i B with A rank 2 and B small
   noise; the averaged update must equal A (rank 2) after the P/Q allreduce rounds,
   identical on both ranks, and the vector (bias) is sent uncompressed.
@@ -40,7 +40,7 @@ def main():
     # ---- signsgd majority vote
     w = torch.nn.Parameter(torch.zeros(8))
     opt = hvd_ext.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)],
-                                       compression="signsgd")
+                                       compression="signsgd:scale=none")
     mine = [torch.tensor([3., 2., -1., -5., 0.5, -0.5, 1., -1.]),
             torch.tensor([1., -2., 4., -5., 0.7, 0.25, -2., 3.])][rank]
     res = set_and_sync(opt, [w], [mine])[0]
