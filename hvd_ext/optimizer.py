@@ -522,6 +522,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     dist.__dict__.update({k: v for k, v in optimizer.__dict__.items()
                           if not (callable(v) and getattr(v, "__self__", None) is optimizer)
                           and k not in ("step", "zero_grad")})
+    compressor.bind_optimizer(dist)  # e.g. dgc takes over SGD momentum; may raise, before any hook exists
     dist._hvd_ext_setup(named, compressor, backward_passes_per_step, op, gradient_predivide_factor,
                         process_set, bucket_bytes, log_path, bool(sparse_as_dense))
     return dist
