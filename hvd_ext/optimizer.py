@@ -311,11 +311,12 @@ class _DistributedMixin:
         for n, p, d in self._sparse:
             if dense_written and p.grad is not None and not p.grad.is_sparse:
                 p.grad = p.grad.to_sparse(d)
-        state = self._pipeline.state_dict()
+        state, compress_s = self._pipeline.state_dict(), self._pipeline.compress_s
         self._pipeline = GradientPipeline([(n, p) for n, p in self._trainable if id(p) not in self._sparse_ids],
                                           self._compression, self._compression.feedback, self._exchange,
                                           self._bucket_bytes)
         self._pipeline.load_state_dict(state)
+        self._pipeline.compress_s = compress_s
 
     # ---- Horovod API ------------------------------------------------------------------------
     def set_backward_passes_per_step(self, passes: int):

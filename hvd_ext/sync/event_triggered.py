@@ -123,7 +123,8 @@ class EventTriggeredSGD:
             optimizer.set_gradient_exchange(False)
         self.stats = stats_for(optimizer)
         x0 = self.state.params_vector()
-        check_same_config("EventTriggeredSGD", {"sync": self.describe(), "numel": int(x0.numel())})
+        if comm is None:  # the server spans every rank: same configuration everywhere
+            check_same_config("EventTriggeredSGD", {"sync": self.describe(), "numel": int(x0.numel())})
         self.server = ParameterServer(x0.numel(), init=x0.numpy(), comm=comm, progress=o["progress"],
                                       progress_interval=o["progress_interval"])
         self.n = self.server.size
