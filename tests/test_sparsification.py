@@ -132,7 +132,7 @@ def test_fp16_values_saturate_and_memory_keeps_the_rest():
 def test_topk_matches_brute_force_with_ties(n, ratio):
     g = torch.Generator().manual_seed(n)
     x = torch.randint(-4, 5, (n,), generator=g).float()  # many ties
-    c = compression_from_spec(f"topk:ratio={ratio}")
+    c = compression_from_spec(f"topk:ratio={ratio},scope=layer")  # fixed size: per-layer exact top-k
     idx, payload = selected(c, x)
     k = count_for(ratio, n)
     assert idx == brute_topk(x.abs(), k)
@@ -505,7 +505,8 @@ def test_empty_and_tiny_tensors():
         e = torch.zeros(0)
         (a,), _, _ = sim_step([c], 0, [{"e": e, "one": torch.tensor([0.5])}])
         assert a["e"].numel() == 0
-    assert compression_from_spec("topk").wire_bytes(0) == payload_bytes(0, 0, 4) == 4
+    assert compression_from_spec("topk:scope=layer").wire_bytes(0) == payload_bytes(0, 0, 4) == 4
+    assert compression_from_spec("topk").wire_bytes(0) is None  # default scope=model: size varies per tensor
 
 
 # ---- 2 ranks through Horovod ------------------------------------------------------------------------
@@ -518,9 +519,9 @@ def test_two_ranks_agree_bit_for_bit(run_ranks):
         assert rec["params_agree"], spec
         assert all(0 < nz < rec["numel"] for nz in rec["nonzero"]), (spec, rec["nonzero"])
         assert res[1]["specs"][spec]["agree"] == [True, True, True]
-    top = res[0]["specs"]["topk:ratio=0.01"]
+    top = res[0]["specs"]["topk:ratio=0.01,scope=layer"]
     assert top["ref_ok"] is True
     assert top["bytes_ok"][0] == top["bytes_ok"][1]
     # about 2% nonzero after averaging two 1% selections
-    assert max(res[0]["specs"]["topk:ratio=0.01"]["nonzero"]) <= 2 * sum(
+    assert max(res[0]["specs"]["topk:ratio=0.01,scope=layer"]["nonzero"]) <= 2 * sum(
         count_for(0.01, n) for n in (40 * 2000, 2000, 2000 * 3, 3))

@@ -14,6 +14,8 @@ Wire bytes (allgather, fixed size): ``4 * chunks + ceil(n / 8)``, chunks =
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..options import Option, non_negative
@@ -22,6 +24,18 @@ from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
 from .signsgd import bits_to_sign, sign_bits
 
+UNSTABLE_WITH_MOMENTUM = (
+    "hvd_ext {name}: error-feedback sign compression did not converge under SGD with momentum on the "
+    "main job's model (MNIST-1D CNN, lr 0.05, momentum 0.9, taken over or not: 9-49% after 8-24 epochs, "
+    "bucket 32..1024; see benchmarks/results/defaults_check.json). Use compression='signum' (the sign of "
+    "the momentum with majority vote, which converges in that loop), or a learning rate about 5x lower.")
+
+
+def warn_if_sgd_momentum(comp, optimizer) -> None:
+    if isinstance(optimizer, torch.optim.SGD) and any(float(g.get("momentum", 0) or 0) > 0
+                                                      for g in optimizer.param_groups):
+        warnings.warn(UNSTABLE_WITH_MOMENTUM.format(name=comp.name), stacklevel=4)
+
 
 @register("efsignsgd")
 class EFSignSGDCompressor(Compressor):
@@ -29,6 +43,10 @@ class EFSignSGDCompressor(Compressor):
     default_feedback = "residual"
     options = {"bucket": Option(int, 1024, "integer >= 0 (0 = one scale per tensor)", non_negative,
                                 help="coordinates per scale")}
+
+    def bind_optimizer(self, optimizer):
+        warn_if_sgd_momentum(self, optimizer)  # before the feedback takes the momentum over
+        super().bind_optimizer(optimizer)
 
     def compress(self, tensor, info):
         flat = tensor.reshape(-1).float()

@@ -21,6 +21,7 @@ from ..options import Option, non_negative
 from ._quant import chunk_counts, chunks, padded_view
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
+from .efsignsgd import warn_if_sgd_momentum
 
 
 @register("onebit")
@@ -29,6 +30,10 @@ class OneBitCompressor(Compressor):
     default_feedback = "residual"
     options = {"bucket": Option(int, 1024, "integer >= 0 (0 = one pair per tensor)", non_negative,
                                 help="coordinates per pair of reconstruction values")}
+
+    def bind_optimizer(self, optimizer):
+        warn_if_sgd_momentum(self, optimizer)  # before the feedback takes the momentum over
+        super().bind_optimizer(optimizer)
 
     def compress(self, tensor, info):
         flat = tensor.reshape(-1).float()

@@ -22,6 +22,13 @@ are sent uncompressed (dense, original dtype) in the first round; so are all
 tensors before step ``start_step`` (DDP's ``start_powerSGD_iter`` warm-up).
 Effective rank ``r = min(rank, n, m)``.
 
+Defaults ``rank=4, start_step=100``: Vogels et al. use rank 2-4 (rank 4 for their
+language model) and DDP's hook runs dense for its first ``start_powerSGD_iter``
+steps (default 1000; "about 10% of training"). In an ordinary loop (main job's
+CNN, SGD lr 0.05 / momentum 0.9) rank 1 from step 0 reached 42% after 8 epochs,
+rank 2 with 100 dense steps 73%, rank 4 with 100 dense steps 87% (none 89%) and
+96.2% after 24 epochs (none 96.7%).
+
 Wire bytes (allreduce, two rounds, float32): ``4 * (n + m) * r`` for a compressed
 tensor, ``itemsize * numel`` otherwise (see ``wire_bytes_for(shape)``).
 """
@@ -40,10 +47,10 @@ class PowerSGDCompressor(Compressor):
     exchange = "allreduce"
     default_feedback = "residual"
     options = {
-        "rank": Option(int, 1, "integer >= 1", positive),
+        "rank": Option(int, 4, "integer >= 1", positive),
         "min_compression": Option(float, 2.0, "min_compression >= 1", lambda v: v >= 1),
         "warm_start": Option(bool, True, "0 or 1"),
-        "start_step": Option(int, 0, "integer >= 0", non_negative),
+        "start_step": Option(int, 100, "integer >= 0", non_negative),
         "seed": Option(int, 0, "integer >= 0", non_negative),
     }
 

@@ -14,6 +14,7 @@ resumed run draws the same indices.
 from __future__ import annotations
 
 import math
+import warnings
 import zlib
 
 import torch
@@ -56,6 +57,16 @@ class RandomKCompressor(Compressor):
         k = count_for(self.ratio, n)
         g = _generator(self.seed, info.step, info.name, 0 if self.shared else info.rank)
         return torch.randperm(n, generator=g)[:k].sort().values
+
+    def bind_optimizer(self, optimizer):
+        if self.ratio < 0.5:
+            warnings.warn(
+                f"hvd_ext randomk: random-k at ratio={self.ratio} did not converge in an ordinary training loop "
+                "(main job's MNIST-1D CNN, SGD lr 0.05 momentum 0.9, with error feedback and momentum "
+                "correction: diverged at ratio 0.01 and 0.1): with memory it needs ~1/ratio times more steps "
+                "(Stich et al. 2018). It is a baseline; for the same bytes use compression='topk:ratio="
+                f"{self.ratio}', or lower the learning rate.", stacklevel=3)
+        super().bind_optimizer(optimizer)
 
     def compress(self, tensor, info):
         flat = tensor.reshape(-1).float()

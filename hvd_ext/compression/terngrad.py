@@ -3,7 +3,9 @@
 Per layer scaler ``s = max|g|``; each coordinate becomes ``s * sign(g_i) * b_i``
 with ``b_i ~ Bernoulli(|g_i| / s)``, so ``E[Q(g)] = g`` (unbiased). Optional
 layer-wise gradient clipping (the paper's ``c = 2.5``): ``clip=c > 0`` first
-clips ``|g_i| <= c * std(g)`` (biased, lower variance; 0 = off). Scaler sharing
+clips ``|g_i| <= c * std(g)`` (biased, lower variance; 0 = off). Default 2.5
+as in the paper: unclipped, the main job's CNN (SGD lr 0.05 / momentum 0.9)
+peaked at 75% and fell to 61% after 8 epochs; clipped, 90.4% (none 89.0%). Scaler sharing
 across workers (the paper's max over workers) is not done: each rank sends its
 own scaler, so no extra collective is needed.
 
@@ -31,7 +33,7 @@ from .bitpack import packed_bytes
 class TernGradCompressor(Compressor):
     exchange = "allgather"
     options = {
-        "clip": Option(float, 0.0, "clip >= 0 (multiples of the std; 0 = no clipping)", non_negative),
+        "clip": Option(float, 2.5, "clip >= 0 (multiples of the std; 0 = no clipping)", non_negative),
         "seed": Option(int, 0, "integer >= 0", non_negative),
     }
 

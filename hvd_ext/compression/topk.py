@@ -14,10 +14,13 @@ Options:
   (DGC, Lin et al. ICLR 2018); the count stays within [k/2, 1.3k].
 * ``values=fp32|fp16``: value precision on the wire (fp16 saturates at +-65504;
   what is not sent exactly stays in the memory).
-* ``scope=layer`` (default): k per tensor. ``scope=model``: one top-k over all
-  tensors of a bucket (k = ceil(ratio * bucket size)); with the default 25 MiB
-  buckets a small model is one bucket. Needs the pipeline's ``prepare_bucket``
-  hook; costs one dense copy of the bucket's |u|.
+* ``scope=model`` (default): one top-k over all tensors of a bucket
+  (k = ceil(ratio * bucket size)); with the default 25 MiB buckets a small
+  model is one bucket. Needs the pipeline's ``prepare_bucket`` hook; costs one
+  dense copy of the bucket's |u|. ``scope=layer``: k per tensor -- in an
+  ordinary loop (main job's CNN, SGD lr 0.05 / momentum 0.9) 47% after 8
+  epochs where scope=model had 63% and reached none's 96.7% at 24 epochs
+  (issue 14), because small layers got the same 1% as the large ones.
 
 Payload: see :mod:`hvd_ext.compression._sparse` (i32 count, values, 16-bit
 indices per 65536-chunk or int32). ``mode=exact,scope=layer`` has a fixed size,
@@ -40,7 +43,7 @@ COMMON_OPTIONS = {
 
 @register("topk")
 class TopKCompressor(SparseCompressor):
-    options = dict(COMMON_OPTIONS, scope=Option(str, "layer", choices=("layer", "model"),
+    options = dict(COMMON_OPTIONS, scope=Option(str, "model", choices=("layer", "model"),
                                                 help="budget per tensor or over a whole bucket"))
 
     def __init__(self, **kw):

@@ -33,7 +33,9 @@ def model():
 out = {"rank": RANK, "size": SIZE}
 for spec in SPECS:
     m = model()
-    opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+    # momentum 0: with SGD momentum the residual feedback takes it over (momentum correction), which
+    # the optimizer-less replay below does not do; the exchanged gradients are what is compared
+    opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
                                        named_parameters=m.named_parameters(), compression=spec)
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     names = [n for n, _ in m.named_parameters()]

@@ -54,7 +54,7 @@ def main():
     M = torch.nn.Parameter(torch.zeros(12, 9))
     v = torch.nn.Parameter(torch.zeros(12))
     opt = hvd_ext.DistributedOptimizer(torch.optim.SGD([M, v], lr=1.0), named_parameters=[("M", M), ("v", v)],
-                                       compression="powersgd:rank=2")
+                                       compression="powersgd:rank=2,start_step=0")
     vec = torch.arange(12.0) * (rank + 1)
     gm, gv = set_and_sync(opt, [M, v], [A + (B if rank == 0 else -B), vec])
     out["psgd_err"] = float((gm - A).abs().max())

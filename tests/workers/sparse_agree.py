@@ -19,8 +19,8 @@ from hvd_ext.compression._sparse import topk_indices, count_for  # noqa: E402
 from common import emit  # noqa: E402
 
 SPECS = [
-    "topk:ratio=0.01",
-    "topk:ratio=0.01,mode=sampled,values=fp16",
+    "topk:ratio=0.01,scope=layer",
+    "topk:ratio=0.01,mode=sampled,values=fp16,scope=layer",
     "topk:ratio=0.02,scope=model,feedback=ewma,lambda=0.5",
     "threshold:tau=0.002",
     "dgc:ratio=0.01,mode=exact,warmup_steps=2,warmup_stages=2,clip=5",
@@ -55,7 +55,7 @@ def main():
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(m(x), y)
             raw = None
-            if step == 0 and spec == "topk:ratio=0.01":
+            if step == 0 and spec == "topk:ratio=0.01,scope=layer":
                 raw = torch.autograd.grad(loss, list(m.parameters()), retain_graph=True)
             before = opt.exchange.stats.bytes_sent
             loss.backward()
