@@ -37,7 +37,10 @@ def run(pset, spec, sync_spec=None, steps=4):
     model, ref = model_fn(), model_fn()
     opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=model.named_parameters(), compression=spec, process_set=pset)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)  # what a local-only rank must do
+    # what a local-only rank must do: plain local steps of the optimizer as wrapped (a compressor's
+    # feedback may have taken over SGD momentum, identically on every rank, so Horovod's
+    # broadcast_optimizer_state sees the same state structure everywhere)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=opt.param_groups[0]["momentum"])
     sync = hvd_ext.sync_from_spec(sync_spec)(opt, model) if sync_spec else None
     hvd.broadcast_optimizer_state(opt, root_rank=0)  # the recipe, on every rank
     for i in range(steps):
