@@ -82,6 +82,8 @@ class MomentumTakeover:
     #: momentum used with Adam-family optimizers when the spec does not set ``momentum=``
     #: (None: leave ``self.momentum`` as it is).
     adam_momentum: Optional[float] = None
+    #: take over SGD momentum without ``momentum=`` in the spec (dgc: yes; residual: opt-in)
+    takes_over_by_default: bool = True
 
     def _init_takeover(self, kwargs) -> None:
         self._explicit_momentum = "momentum" in kwargs
@@ -93,6 +95,8 @@ class MomentumTakeover:
         kind = type(optimizer).__name__
         if self._explicit_momentum and not self.momentum:
             return  # the spec says momentum=0: leave the optimizer's momentum alone
+        if not self._explicit_momentum and not self.takes_over_by_default:
+            return
         if isinstance(optimizer, torch.optim.SGD):
             self._optimizer = optimizer
             self._take_over_momentum(announce=True)
