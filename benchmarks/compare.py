@@ -63,13 +63,13 @@ from common import ROOT, fmt, fmt_bytes  # noqa: E402
 REFERENCE = "horovod"
 BASELINES = [REFERENCE, "horovod:fp16", "none", "ddp", "ddp-powersgd:rank=2"]
 FULL_METHODS = [
-    # sparsification (issue 3)
+    # sparsification
     "topk:ratio=0.01", "topk:ratio=0.01,scope=model", "dgc:ratio=0.01,warmup_steps=250", "sig:ratio=0.01",
     "topk:ratio=0.01,scope=model,feedback=ewma",
-    # quantisation / low rank (issue 4); the sign family needs a lower lr (see convergence.py), so it is
+    # quantisation / low rank; the sign family needs a lower lr (see convergence.py), so it is
     # timed there and in throughput.py rather than here at the common lr
     "qdist:bits=3", "qsgd:bits=8", "powersgd:rank=2",
-    # synchronisation strategies (issue 5)
+    # synchronisation strategies
     "none@local:period=8", "none@adaptive:min=1,max=32", "none@event",
 ]
 QUICK_METHODS = ["topk:ratio=0.01", "powersgd:rank=2"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Every compressor at its *default* options inside a plain user training loop (issue 14, item 1).
+"""Every compressor at its *default* options inside a plain user training loop.
 
 The loop is what a new user writes: the main job's 1-D CNN on MNIST-1D
 (``hvd_ext.examples.mnist1d``), 2 ranks, batch 64 per rank, constant learning

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Quantization error at equal bits on real gradients of the MNIST-1D CNN (issue 4, technique 5).
+"""Quantization error at equal bits on real gradients of the MNIST-1D CNN (thesis technique 5).
 
     python benchmarks/quant_error.py
 

@@ -94,7 +94,7 @@ def _full_spec(compressor: Compressor) -> str:
 def config_fingerprint(named_params, compressor: Compressor, op_name: str, backward_passes_per_step: int,
                        gradient_predivide_factor: float, bucket_bytes: int, sparse_as_dense: bool,
                        buckets: List[List[str]], routes: Optional[List[str]] = None) -> Dict[str, Any]:
-    """What every rank of a process set must agree on for the exchange to match (issue 10)."""
+    """What every rank of a process set must agree on for the exchange to match (rule of consistency)."""
     return {
         "compression": _full_spec(compressor),
         "op": op_name,

@@ -1,4 +1,4 @@
-"""qdist: layer-wise quantization fitted to the gradient's distribution (DESIGN.md technique 5).
+"""qdist: layer-wise quantization fitted to the gradient's distribution (thesis technique 5).
 
 Related work: Lloyd 1982 / Max 1960 (optimal scalar quantizers), Faghri et al. 2020
 ("Adaptive Gradient Quantization for Data-Parallel SGD", ALQ/AMQ) and Ramezani-Kebrya

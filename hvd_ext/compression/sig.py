@@ -1,4 +1,4 @@
-"""Significance-based gradient selection (thesis technique 3, ``/work/shared/DESIGN.md``).
+"""Significance-based gradient selection (thesis technique 3).
 
 Each coordinate is scored by its first-order Taylor saliency
 s_j = |u_j| * (|w_j| + eps)^alpha, u = grad + memory, w the parameter

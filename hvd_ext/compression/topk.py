@@ -20,7 +20,7 @@ Options:
   dense copy of the bucket's |u|. ``scope=layer``: k per tensor -- in an
   ordinary loop (main job's CNN, SGD lr 0.05 / momentum 0.9) 47% after 8
   epochs where scope=model had 63% and reached none's 96.7% at 24 epochs
-  (issue 14), because small layers got the same 1% as the large ones.
+  because small layers got the same 1% as the large ones.
 
 Payload: see :mod:`hvd_ext.compression._sparse` (i32 count, values, 16-bit
 indices per 65536-chunk or int32). ``mode=exact,scope=layer`` has a fixed size,

@@ -1,5 +1,5 @@
-"""Exponential-smoothing compensation for sparsification (thesis technique 4,
-``/work/shared/DESIGN.md``). Usable with any sparsifier: ``topk:ratio=0.01,feedback=ewma``.
+"""Exponential-smoothing compensation for sparsification (thesis technique 4;
+Gardner, "Exponential smoothing", J. Forecasting 1985). Usable with any sparsifier: ``topk:ratio=0.01,feedback=ewma``.
 
 Every rank holds the same smoothed estimate S of the aggregated gradient
 (same inputs on every rank: the exchanged result and the support Omega, the

@@ -1,4 +1,4 @@
-"""Momentum-driven adaptive synchronization (DESIGN.md technique 6).
+"""Momentum-driven adaptive synchronization (thesis technique 6).
 
 Local SGD whose period H adapts between ``min_period`` and ``max_period``. At each
 sync the parameters AND the momentum buffers are averaged with one fused

@@ -1,4 +1,4 @@
-"""Event-triggered asynchronous local SGD (DESIGN.md technique 1) with loss-weighted
+"""Event-triggered asynchronous local SGD (thesis technique 1) with loss-weighted
 staleness compensation (technique 2), against the one-sided ``ParameterServer``.
 
 Global variable consensus: minimise sum_i f_i(x_i) subject to x_i = z. Worker i

@@ -20,7 +20,7 @@ communication is one fused allreduce of one flat buffer per sync. Around a plain
 torch optimizer the warm-up averages the parameters every step, which equals
 synchronous SGD for SGD with (Nesterov) momentum and weight decay (the update is
 linear in the gradient). Every decision depends on the step counter only, so all
-ranks agree (DESIGN.md, rule of consistency).
+ranks agree (the rule of consistency).
 """
 from __future__ import annotations
 

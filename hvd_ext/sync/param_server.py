@@ -21,7 +21,7 @@ default) because Horovod's background thread also calls MPI.
 
 Passive-target progress -- measured on this machine (OpenMPI 4.1.4, 2 ranks on
 one node, 2 CPU cores; rank 0 computes 3 s without MPI calls while rank 1 does
-Lock/Accumulate/Get/Unlock on rank 0's window; script in the issue-5 report):
+Lock/Accumulate/Get/Unlock on rank 0's window):
 
 =====================================  ================================
 osc component / setting                latency of rank 1's op
