@@ -214,7 +214,8 @@ def _run_train(args, timeout):
 
 def test_checkpoint_kill_and_resume_event_sync(tmp_path):
     ck, js = tmp_path / "ck.pt", tmp_path / "out.json"
-    common = ["--epochs", "2", "--sync", "event:tau_min=4,tau_max=12", "--checkpoint", str(ck),
+    # lr 0.1: at the main job's 0.2 the 2-epoch asynchronous run varies 22-55% with scheduling; 0.1 gives 50-52%
+    common = ["--epochs", "2", "--lr", "0.1", "--sync", "event:tau_min=4,tau_max=12", "--checkpoint", str(ck),
               "--checkpoint-every", "100", "--json", str(js)]
     rc, out = _run_train(common + ["--crash-at-step", "150"], timeout=240)
     assert rc != 0, "the simulated kill did not happen"
@@ -227,4 +228,4 @@ def test_checkpoint_kill_and_resume_event_sync(tmp_path):
     r = json.loads(js.read_text())
     assert r["resumed_from_step"] == 100 and r["steps"] == 250
     assert len(r["exchanges_per_rank"]) == 2 and 0 < r["exchanges"] <= 250 / 4 + 2
-    assert r["test_acc"] > 0.3, r["test_acc"]   # 2 epochs only (one-cycle LR, ~55% typical); the full-length figures are in the report
+    assert r["test_acc"] > 0.3, r["test_acc"]   # 2 epochs only (one-cycle LR, ~50% typical); the full-length figures are in the report
