@@ -24,6 +24,7 @@ import torch
 
 from .compression.base import Compressor, TensorInfo
 from .exchange import Exchange
+from .auto import AutoCompression, AutoTuner
 from .exchange.routes import OwnerMemory, Route, TensorRecord, choose_route, make_route
 from .feedback.base import Feedback, NoFeedback
 
@@ -34,6 +35,7 @@ class _Bucket:
     names: List[str]
     params: List[torch.Tensor]
     route: Route
+    comp: Compressor
     ready: set = field(default_factory=set)
     started: bool = False
 
@@ -65,22 +67,45 @@ class GradientPipeline:
         self.step = 0  # exchanges completed; identical on every rank
         self.compress_s = 0.0
         self.owner_memory = OwnerMemory()
-        mode = route if route is not None else getattr(compressor, "route", "auto")
+        self._mode = route
         self.rank = exchange.rank
         self.size = exchange.size
         self.buckets: List[_Bucket] = []
         self.bucket_of: Dict[int, _Bucket] = {}
+        # compression="auto": every bucket starts dense; an AutoTuner re-chooses its codec (hvd_ext.auto).
+        is_auto = isinstance(compressor, AutoCompression)
+        if is_auto and exchange.op_name == "adasum":
+            raise ValueError("compression='auto' needs op=Average or Sum (Adasum is not linear across codecs); "
+                             "pick a fixed compression with Adasum")
+        first = compressor.candidates[AutoTuner.dense_index(compressor)] if is_auto else compressor
         for bi, idxs in enumerate(plan_buckets(named_params, bucket_bytes)):
             params = [named_params[i][1] for i in idxs]
-            kind = choose_route(compressor, mode, sum(p.numel() for p in params), self.size)
-            b = _Bucket(bi, [named_params[i][0] for i in idxs], params,
-                        make_route(kind, compressor, exchange, f"b{bi}", self.owner_memory))
+            b = _Bucket(bi, [named_params[i][0] for i in idxs], params, None, first)
+            b.route = self._make_route(b, first)
             self.buckets.append(b)
             for p in b.params:
                 self.bucket_of[id(p)] = b
+        self.auto: Optional[AutoTuner] = AutoTuner(compressor, self) if is_auto else None
+        self._step_code_s = 0.0
+
+    def _make_route(self, b: _Bucket, comp: Compressor) -> Route:
+        """The route of bucket ``b`` under codec ``comp`` (same inputs on every rank, same route)."""
+        mode = self._mode if self._mode is not None else getattr(comp, "route", "auto")
+        kind = choose_route(comp, mode, sum(p.numel() for p in b.params), self.size)
+        return make_route(kind, comp, self.exchange, f"b{b.index}", self.owner_memory)
+
+    def set_bucket_compressor(self, b: _Bucket, comp: Compressor) -> None:
+        """Switch bucket ``b`` to codec ``comp`` between steps (``compression="auto"``). The shared
+        error-feedback memory carries over: the new codec's next input includes what the old one left."""
+        if b.started or b.ready:
+            raise RuntimeError("hvd_ext: a bucket's codec can change only between steps")
+        b.comp = comp
+        b.route = self._make_route(b, comp)
+
+    def _local_flag(self, comp: Compressor) -> bool:
         # The non-finite test of the allreduce route reads the reduced buffer (a NaN/Inf on any rank
         # makes the sum non-finite), so only the other routes need a local test.
-        self._local_flag = compressor.exchange != "allreduce" or exchange.op_name == "adasum"
+        return comp.exchange != "allreduce" or self.exchange.op_name == "adasum"
 
     @property
     def routes(self) -> List[str]:
@@ -111,9 +136,10 @@ class GradientPipeline:
     # ---- launch and finish -------------------------------------------------------------------
     def _launch(self, b: _Bucket) -> None:
         t0 = time.perf_counter()
-        comp, fb = self.compressor, self.feedback
+        comp, fb = b.comp, self.feedback
         scale = self.exchange.scale()
         dense_codec = comp.exchange == "allreduce"
+        local_flag = self._local_flag(comp)
         records, flags = [], []
         for name, p in zip(b.names, b.params):
             if p.grad is None:
@@ -124,7 +150,7 @@ class GradientPipeline:
             info = TensorInfo(name=name, shape=g.shape, step=self.step, rank=self.rank, size=self.size,
                               param=p.detach(), scale=scale)
             u = fb.compensate(name, g if dense_codec else g.float(), info)
-            if self._local_flag:
+            if local_flag:
                 flags.append(torch.isfinite(u).all())
             records.append(TensorRecord(name, p, info, u))
         nonfinite = bool(not torch.stack(flags).all()) if flags else False
@@ -134,13 +160,16 @@ class GradientPipeline:
             prepare([(r.u, r.info) for r in records])
         b.route.start(records, nonfinite)
         b.started = True
-        self.compress_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.compress_s += dt
+        self._step_code_s += dt
 
     def finish(self) -> bool:
         """Wait for every bucket, write the averaged gradients into ``p.grad``.
 
         Returns True when some rank had a non-finite gradient (same answer on
         every rank); the feedback and owner memories are then left as they were."""
+        t_start = time.perf_counter()
         self.flush()
         for b in self.buckets:  # second phases start before any bucket is waited for
             b.route.progress()
@@ -152,8 +181,12 @@ class GradientPipeline:
             results, supports, nf = b.route.finish()
             nonfinite = nonfinite or nf
             t0 = time.perf_counter()
+            # A lossless codec under a shared memory (auto choosing none) sent all of u: memory cleared.
+            lossless = use_fb and self.auto is not None and b.comp.name == "none"
             for i, (rec, res, sup) in enumerate(zip(b.route.records, results, supports)):
-                if use_fb:
+                if lossless:
+                    fb.forget(rec.name)
+                elif use_fb:
                     res = fb.adjust(rec.name, res, rec.info, sup)
                     sent = b.route.sent(i, res)
                     fb.update(rec.name, rec.u, sent.reshape(rec.u.shape), rec.info)
@@ -177,6 +210,10 @@ class GradientPipeline:
             comp.commit()
             self.owner_memory.commit()
         self.step += 1
+        if self.auto is not None:
+            self.auto.exchange_time(time.perf_counter() - t_start + self._step_code_s)
+            self.auto.after_step()
+        self._step_code_s = 0.0
         return nonfinite
 
     def reset(self) -> None:
@@ -185,17 +222,21 @@ class GradientPipeline:
             b.started = False
             b.ready.clear()
             b.route.records = []
+        self._step_code_s = 0.0
 
     # ---- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return {"step": self.step, "feedback": self.feedback.state_dict(),
                 "compressor": self.compressor.state_dict(), "owner": self.owner_memory.state_dict(),
-                "routes": self.routes, "spec": self.compressor.spec()}
+                "routes": self.routes, "spec": self.compressor.spec(),
+                "auto": self.auto.state_dict() if self.auto is not None else None}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.step = int(state.get("step", 0))
         self.feedback.load_state_dict(state.get("feedback", {}))
         self.compressor.load_state_dict(state.get("compressor", {}))
+        if self.auto is not None:
+            self.auto.load_state_dict(state.get("auto") or {})
         # Owner memories belong to this world's layout; a checkpoint from another layout drops them.
         if list(state.get("routes", self.routes)) == self.routes:
             self.owner_memory.load_state_dict(state.get("owner", {}))

@@ -55,6 +55,10 @@ def compression_from_spec(spec: str) -> Compressor:
     unknown name, key or bad value raises ``ValueError`` naming it and what is
     accepted.
     """
+    name, kv = parse_spec(spec.split(":")[0] if isinstance(spec, str) else spec, "compression spec")
+    if name == "auto":  # candidates= holds specs with commas of their own: its own parser
+        from ..auto import AutoCompression, parse_auto_spec
+        return AutoCompression(**parse_auto_spec(spec))
     name, kv = parse_spec(spec, "compression spec")
     reg = registry()
     if name not in reg:

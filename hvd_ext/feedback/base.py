@@ -47,8 +47,16 @@ class Feedback:
     def update(self, name: str, u: torch.Tensor, sent: torch.Tensor, info) -> None:
         pass
 
+    def forget(self, name: str) -> None:
+        """Stage the removal of ``name``'s memory (its whole input was sent losslessly)."""
+        self._pending[name] = None
+
     def commit(self) -> None:
-        self.memory.update(self._pending)
+        for k, v in self._pending.items():
+            if v is None:
+                self.memory.pop(k, None)
+            else:
+                self.memory[k] = v
         self._pending = {}
 
     def discard(self) -> None:

@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Per-step overhead of hvd_ext's gradient path against plain Horovod, in one job.
+
+    horovodrun -np 2 --gloo python benchmarks/overhead.py                       # main-job CNN
+    horovodrun -np 2 --gloo python benchmarks/overhead.py --model synthetic     # 10.7M parameters
+    horovodrun -np 2 --gloo python benchmarks/overhead.py --profile none        # cProfile one method (rank 0)
+
+Each method (``horovod`` = ``hvd.DistributedOptimizer``; anything else is an
+hvd_ext spec) gets its own model and optimizer, and the methods take turns:
+``--rounds`` rounds of ``--steps`` timed steps each, so machine noise hits every
+method alike. Reported: median ms/step over rounds and the ratio to
+``horovod`` measured in the same job. Use ``--json`` to keep the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def build(model_name: str, channels: int):
+    if model_name == "synthetic":
+        from models import SyntheticNet
+        return SyntheticNet(), (lambda b: torch.randn(b, 3, 32, 32)), 10
+    from hvd_ext.examples.mnist1d import MNIST1DCNN
+    return MNIST1DCNN(channels), (lambda b: torch.randn(b, 40)), 10
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=["horovod", "none", "fp16", "bf16"])
+    p.add_argument("--model", choices=["cnn", "synthetic"], default="cnn")
+    p.add_argument("--channels", type=int, default=128, help="CNN width (128: about 0.7M parameters)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--profile", default=None, help="cProfile this method on rank 0 and print the top entries")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    import horovod.torch as hvd
+    import hvd_ext
+    hvd.init()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    runs = {}
+    for m in args.methods:
+        model, make_x, classes = build(args.model, args.channels)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if m == "horovod":
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        else:
+            opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=m)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        x, y = make_x(args.batch), torch.randint(0, classes, (args.batch,))
+        runs[m] = (model, opt, x, y)
+
+    def one_step(m):
+        model, opt, x, y = runs[m]
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    n_params = sum(q.numel() for q in runs[args.methods[0]][0].parameters())
+    for m in args.methods:  # warm-up (first exchanges, allocations)
+        for _ in range(3):
+            one_step(m)
+    times = {m: [] for m in args.methods}
+    prof = cProfile.Profile() if args.profile and hvd.rank() == 0 else None
+    for r in range(args.rounds):
+        for m in args.methods:
+            hvd.allreduce(torch.zeros(1), name=f"overhead.barrier.{r}.{m}")
+            if prof is not None and m == args.profile:
+                prof.enable()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                one_step(m)
+            dt = (time.perf_counter() - t0) / args.steps
+            if prof is not None and m == args.profile:
+                prof.disable()
+            times[m].append(dt)
+    if hvd.rank() != 0:
+        return
+    ref = statistics.median(times["horovod"]) if "horovod" in times else None
+    print(f"model {args.model} ({n_params / 1e6:.2f}M parameters), batch {args.batch}/rank, {hvd.size()} ranks, "
+          f"{args.rounds} rounds x {args.steps} steps, {args.threads} thread(s)")
+    print(f"{'method':<24}{'ms/step':>10}{'min':>10}{'vs horovod':>12}")
+    rows = []
+    for m in args.methods:
+        med = statistics.median(times[m])
+        ratio = med / ref if ref else None
+        rows.append({"method": m, "ms_per_step": med * 1e3, "min_ms": min(times[m]) * 1e3, "vs_horovod": ratio,
+                     "rounds_ms": [t * 1e3 for t in times[m]]})
+        print(f"{m:<24}{med * 1e3:>10.2f}{min(times[m]) * 1e3:>10.2f}{(f'{ratio:.3f}x' if ratio else '-'):>12}")
+    if prof is not None:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        print(s.getvalue())
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "params": n_params, "size": hvd.size(),
+                                               "batch": args.batch, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""``compression="auto"``: per bucket, the candidate codec with the least predicted step time.
+
+Compression pays only when the link is slow relative to the codec (Agarwal et
+al., "On the utility of gradient compression in distributed training
+systems", MLSys 2022). ``auto`` therefore measures both on the machine it runs
+on and decides per bucket:
+
+* **link** -- from its own exchanges: a small and a 1 MB allreduce (three
+  tries each, the fastest kept) give the fixed cost of one collective ``lat``
+  and the bandwidth ``bw`` (wire bytes per second, :mod:`hvd_ext.exchange.cost`);
+* **codecs** -- every candidate compresses and decodes each bucket's current
+  gradient once, timed on this hardware;
+* **prediction** for bucket b and candidate c on its route r (allreduce,
+  allgather, two-phase, sparse reduce-scatter: the route the candidate would
+  get, :func:`hvd_ext.exchange.routes.choose_route`)::
+
+      t(b, c) = collectives(r) x lat + wire_bytes(r, payload(c, b), N) / bw + code_time(c, b, r)
+
+  and the bucket takes ``argmin_c t(b, c)`` (ties: the candidate listed first).
+
+The measurements are averaged over the ranks in one small allreduce and rank
+0's decision is broadcast, so every rank uses the same codec for every bucket.
+Until the first decision (``warmup`` exchanges) every bucket is sent dense.
+The decision is re-taken every ``every`` exchanges, and earlier when the
+measured exchange time leaves [0.5x, 2x] of the prediction (checked every
+``check`` exchanges, agreed by an allreduce of the ranks' measurements).
+
+Accuracy budget: only error-feedback-safe candidates. Every candidate runs
+under one shared residual error feedback (Seide et al. 2014; Karimireddy et
+al. 2019), so what a bucket's previous codec did not send is carried into the
+next codec's input when the choice changes (a lossless codec flushes it). The
+default candidates are ``none, fp16, qsgd:bits=8, topk:ratio=0.01``: nothing
+coarser than 8 bits or 1% unless the user lists it.
+
+Spec: ``auto`` or ``auto:every=1000,warmup=2,candidates=none,fp16,topk:ratio=0.01,scope=layer``
+(``candidates=`` comes last; a comma-separated item with a ``:`` or without
+``=`` starts a new candidate, other ``key=value`` items belong to the
+candidate before them).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from .compression.base import Compressor, Continue, TensorInfo
+from .options import Option, resolve_options
+
+DEFAULT_CANDIDATES = ("none", "fp16", "qsgd:bits=8", "topk:ratio=0.01")
+_PROBE_SMALL = 256                 # floats
+_PROBE_LARGE = 256 * 1024          # floats (1 MB)
+_COLLECTIVES = {"allreduce": 1, "allgather": 1, "twophase": 2, "sparse_rs": 2}
+
+AUTO_OPTIONS = {
+    "every": Option(int, 1000, "int >= 1", lambda v: v >= 1, help="exchanges between two decisions"),
+    "warmup": Option(int, 2, "int >= 1", lambda v: v >= 1, help="dense exchanges before the first decision"),
+    "check": Option(int, 50, "int >= 1", lambda v: v >= 1,
+                    help="exchanges between two checks of measured against predicted time"),
+}
+
+
+def split_candidates(text: str) -> List[str]:
+    """``"none,fp16,topk:ratio=0.01,scope=layer"`` -> ``["none", "fp16", "topk:ratio=0.01,scope=layer"]``."""
+    out: List[str] = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if out and ":" not in item and "=" in item:
+            out[-1] = out[-1] + ("," if ":" in out[-1] else ":") + item
+        else:
+            out.append(item)
+    return out
+
+
+def parse_auto_spec(spec: str) -> Dict[str, Any]:
+    """``auto:key=val,...,candidates=...`` -> keyword arguments of :class:`AutoCompression`."""
+    _, _, rest = spec.strip().partition(":")
+    kw: Dict[str, Any] = {}
+    head, sep, cands = rest.partition("candidates=")
+    if sep:
+        if head.strip() and not head.strip().endswith(","):
+            raise ValueError(f"compression spec {spec!r}: 'candidates=' must start an item")
+        kw["candidates"] = split_candidates(cands)
+    for item in head.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, eq, val = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"compression spec {spec!r}: item {item!r} is not of the form key=value")
+        key = key.strip()
+        if key in kw:
+            raise ValueError(f"compression spec {spec!r}: key {key!r} given twice")
+        if key not in AUTO_OPTIONS:
+            raise ValueError(f"unknown key {key!r} in spec {spec!r} (compressor 'auto'); accepted: "
+                             f"{', '.join(sorted(AUTO_OPTIONS) + ['candidates'])}")
+        kw[key] = val.strip()
+    return kw
+
+
+class AutoCompression(Compressor):
+    """Holds the candidate compressors and the shared residual feedback; the decisions live in
+    :class:`AutoTuner`, one per gradient pipeline."""
+
+    name = "auto"
+    exchange = "allreduce"
+    options = AUTO_OPTIONS
+    default_feedback = "residual"
+
+    def __init__(self, candidates: Optional[Sequence[str]] = None, **kwargs):
+        from .compression import compression_from_spec, make_feedback
+
+        self.opts = resolve_options("compressor 'auto'", self.options, kwargs)
+        for k, v in self.opts.items():
+            setattr(self, k, v)
+        specs = list(DEFAULT_CANDIDATES if candidates is None else candidates)
+        if not specs or not all(isinstance(s, str) and s.strip() for s in specs):
+            raise ValueError(f"auto: candidates must be a non-empty list of compression specs, got {candidates!r}")
+        self.candidate_specs = [s.strip() for s in specs]
+        self.candidates: List[Compressor] = []
+        self.feedback = make_feedback("residual")
+        for s in self.candidate_specs:
+            if s.split(":")[0].strip().lower() == "auto":
+                raise ValueError(f"auto: a candidate cannot be 'auto' (candidates: {', '.join(specs)})")
+            c = compression_from_spec(s)
+            if c.feedback is not None and c.feedback.name not in ("none", "residual"):
+                raise ValueError(f"auto: candidate {s!r} uses feedback={c.feedback.name!r}; candidates share one "
+                                 "residual error feedback (accepted: feedback=none or residual)")
+            c.feedback = self.feedback
+            self.candidates.append(c)
+        if len(set(c.spec() for c in self.candidates)) != len(self.candidates):
+            raise ValueError(f"auto: candidates listed twice in {', '.join(specs)}")
+        self.route = "auto"
+
+    # The pipeline calls these on the compressor it was given: pass them on to every candidate.
+    def bind_optimizer(self, optimizer) -> None:
+        super().bind_optimizer(optimizer)  # the shared feedback
+        for c in self.candidates:
+            bind = getattr(type(c), "bind_optimizer", None)
+            if bind is not None and bind is not Compressor.bind_optimizer:
+                bind(c, optimizer)
+
+    def compress(self, tensor, info):  # pragma: no cover - the pipeline uses the candidates
+        raise RuntimeError("auto is a selector: the pipeline compresses with the chosen candidate")
+
+    def commit(self) -> None:
+        for c in self.candidates:
+            c.commit()
+
+    def discard(self) -> None:
+        for c in self.candidates:
+            c.discard()
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {s: c.state_dict() for s, c in zip(self.candidate_specs, self.candidates)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for s, c in zip(self.candidate_specs, self.candidates):
+            if s in (state or {}):
+                c.load_state_dict(state[s])
+
+    def spec(self) -> str:
+        items = [f"{k}={v}" for k, v in self.opts.items() if v != self.options[k].default]
+        if self.candidate_specs != list(DEFAULT_CANDIDATES):
+            items.append("candidates=" + ",".join(self.candidate_specs))
+        return "auto" + (":" + ",".join(items) if items else "")
+
+
+class AutoTuner:
+    """Per-pipeline decisions of :class:`AutoCompression` (see the module docstring)."""
+
+    def __init__(self, auto: AutoCompression, pipeline):
+        self.auto = auto
+        self.pipe = pipeline
+        self.choice: List[int] = [self.dense_index(auto)] * len(pipeline.buckets)
+        self.last_eval: Optional[int] = None
+        self.predicted_s: Optional[float] = None
+        self.link: Dict[str, float] = {}
+        self.decisions: List[Dict[str, Any]] = []
+        self._measured: List[float] = []
+        self._check_every = auto.check
+
+    @staticmethod
+    def dense_index(auto: AutoCompression) -> int:
+        """The candidate used before the first decision: ``none`` if listed, else the first."""
+        for i, c in enumerate(auto.candidates):
+            if c.name == "none":
+                return i
+        return 0
+
+    def compressor_for(self, bucket_index: int) -> Compressor:
+        return self.auto.candidates[self.choice[bucket_index]]
+
+    # ---- called by the pipeline --------------------------------------------------------
+    def exchange_time(self, seconds: float) -> None:
+        """This rank's time spent in the exchange of the step that just finished."""
+        self._measured.append(seconds)
+
+    def after_step(self) -> None:
+        step, a = self.pipe.step, self.auto
+        if step < a.warmup:
+            return
+        if self.last_eval is None or step - self.last_eval >= a.every:
+            self.evaluate("scheduled" if self.last_eval is not None else "warmup")
+        elif (step - self.last_eval) % self._check_every == 0 and self._measured:
+            self._check_drift()
+
+    # ---- measuring -----------------------------------------------------------------------
+    def _allreduce(self, values: torch.Tensor, name: str) -> torch.Tensor:
+        """Mean over the ranks (one allreduce)."""
+        out = values.detach().clone()
+        self.pipe.exchange.allreduce_average([out], name)
+        return out
+
+    def _probe_link(self) -> Dict[str, float]:
+        ex, N = self.pipe.exchange, self.pipe.size
+        from .exchange import cost
+
+        small, large = torch.zeros(_PROBE_SMALL), torch.zeros(_PROBE_LARGE)
+        self._allreduce(small, "hvd_ext.auto.sync")  # start together
+        times = {}
+        for label, t in (("small", small), ("large", large)):
+            best = None
+            for i in range(3):
+                t0 = time.perf_counter()
+                self._allreduce(t, f"hvd_ext.auto.probe.{label}")
+                dt = time.perf_counter() - t0
+                best = dt if best is None else min(best, dt)
+            times[label] = best
+        wire = cost.allreduce_wire(4.0 * (_PROBE_LARGE - _PROBE_SMALL), N)
+        return {"lat": times["small"], "large": times["large"], "wire": wire}
+
+    def _bucket_grads(self, b) -> List[torch.Tensor]:
+        out = []
+        for p in b.params:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            out.append(g.to_dense() if g.is_sparse else g)
+        return out
+
+    def _time_codec(self, c: Compressor, b, grads: List[torch.Tensor]) -> Dict[str, float]:
+        """Seconds to compress and decode bucket ``b`` once with ``c``, and its payload bytes."""
+        pipe = self.pipe
+        infos = [TensorInfo(name=n, shape=g.shape, step=pipe.step, rank=pipe.rank, size=pipe.size,
+                            param=p.detach(), scale=pipe.exchange.scale()) for n, p, g in zip(b.names, b.params, grads)]
+        us = [g if c.exchange == "allreduce" else g.float() for g in grads]
+        t0 = time.perf_counter()
+        prepare = getattr(c, "prepare_bucket", None)
+        if prepare is not None:
+            prepare(list(zip(us, infos)))
+        pays = [c.compress(u, info) for u, info in zip(us, infos)]
+        t1 = time.perf_counter()
+        nbytes = 0
+        for (payload, ctx), info in zip(pays, infos):
+            nbytes += payload.numel() * payload.element_size()
+            if c.exchange == "allreduce":
+                out = c.decompress(payload, ctx, info)
+                if isinstance(out, Continue):  # multi-round: count the next round's payload too
+                    nbytes += out.payload.numel() * out.payload.element_size()
+            else:
+                c.aggregate([payload], ctx, info)
+        t2 = time.perf_counter()
+        c.discard()  # nothing staged by a trial compression may survive
+        return {"enc": t1 - t0, "dec": t2 - t1, "bytes": float(nbytes)}
+
+    # ---- deciding --------------------------------------------------------------------------
+    def predict(self, kind: str, numel: int, payload: float, enc: float, dec: float) -> float:
+        from .exchange import cost
+
+        N = self.pipe.size
+        lat, bw = self.link["lat"], self.link["bw"]
+        if kind == "allreduce":
+            wire, code = cost.allreduce_wire(payload, N), enc + dec
+        elif kind == "allgather":
+            wire, code = (N - 1) * payload, enc + N * dec
+        else:  # twophase / sparse_rs: shards coded twice (worker and owner)
+            wire, code = 2.0 * (N - 1) / N * payload, 2.0 * (enc + dec)
+        return _COLLECTIVES.get(kind, 2) * lat + wire / bw + code
+
+    def evaluate(self, reason: str) -> None:
+        from .exchange.routes import choose_route
+
+        pipe, cands = self.pipe, self.auto.candidates
+        probe = self._probe_link()
+        rows = []
+        for b in pipe.buckets:
+            grads = self._bucket_grads(b)
+            for c in cands:
+                r = self._time_codec(c, b, grads)
+                rows += [r["enc"], r["dec"], r["bytes"]]
+        local = torch.tensor([probe["lat"], probe["large"]] + rows, dtype=torch.float64)
+        mean = self._allreduce(local.float(), f"hvd_ext.auto.measure.{pipe.step}").double()
+        lat, large = float(mean[0]), float(mean[1])
+        self.link = {"lat": lat, "bw": probe["wire"] / max(large - lat, 1e-6)}
+        choice, predicted, table = [], 0.0, []
+        k = 2
+        for b in pipe.buckets:
+            numel = sum(p.numel() for p in b.params)
+            best, best_t, per = 0, None, {}
+            for ci, c in enumerate(cands):
+                enc, dec, nbytes = float(mean[k]), float(mean[k + 1]), float(mean[k + 2])
+                k += 3
+                kind = choose_route(c, getattr(c, "route", "auto"), numel, pipe.size)
+                t = self.predict(kind, numel, nbytes, enc, dec)
+                per[self.auto.candidate_specs[ci]] = round(t * 1e3, 4)
+                if best_t is None or t < best_t * (1 - 1e-3):
+                    best, best_t = ci, t
+            choice.append(best)
+            predicted += best_t
+            table.append(per)
+        # Rank 0's decision for everyone (identical inputs already; this makes it certain).
+        agreed = pipe.exchange.broadcast_object(choice, 0, f"hvd_ext.auto.choice.{pipe.step}")
+        changed = False
+        for b, ci in zip(pipe.buckets, agreed):
+            if self.choice[b.index] != ci:
+                pipe.set_bucket_compressor(b, cands[ci])
+                changed = True
+        self.choice = list(agreed)
+        # A re-decision that changes nothing (measurement noise, ranks out of step): check less often.
+        self._check_every = self.auto.check if changed or reason in ("warmup", "scheduled") \
+            else min(2 * self._check_every, self.auto.every)
+        self.predicted_s = predicted
+        self.last_eval = pipe.step
+        measured = sum(self._measured) / len(self._measured) if self._measured else None
+        self._measured = []
+        self.decisions.append({"step": pipe.step, "reason": reason,
+                               "choice": [self.auto.candidate_specs[ci] for ci in agreed],
+                               "predicted_ms": round(predicted * 1e3, 3),
+                               "measured_before_ms": None if measured is None else round(measured * 1e3, 3),
+                               "link": {"latency_ms": round(lat * 1e3, 4), "MB_per_s": round(self.link["bw"] / 1e6, 2)},
+                               "predicted_ms_per_candidate": table})
+        del self.decisions[:-20]
+
+    def _check_drift(self) -> None:
+        mine = sum(self._measured) / len(self._measured)
+        got = float(self._allreduce(torch.tensor([mine]), f"hvd_ext.auto.check.{self.pipe.step}")[0])
+        pred = max(self.predicted_s or 0.0, 1e-3)
+        if got > 2.0 * pred + 1e-3 or got < 0.5 * pred - 1e-3:
+            self.evaluate(f"measured {got * 1e3:.2f} ms vs predicted {pred * 1e3:.2f} ms")
+        else:
+            self.decisions[-1]["measured_ms"] = round(got * 1e3, 3)
+            self._measured = []
+
+    def report(self) -> Dict[str, Any]:
+        last = self.decisions[-1] if self.decisions else None
+        return {"choice": [self.auto.candidate_specs[ci] for ci in self.choice],
+                "decisions": len(self.decisions), "last": last}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"choice": list(self.choice), "last_eval": self.last_eval}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        ch = list((state or {}).get("choice", []))
+        if len(ch) == len(self.pipe.buckets) and all(0 <= c < len(self.auto.candidates) for c in ch):
+            for b, ci in zip(self.pipe.buckets, ch):
+                if self.choice[b.index] != ci:
+                    self.pipe.set_bucket_compressor(b, self.auto.candidates[ci])
+            self.choice = ch
+            self.last_eval = state.get("last_eval")

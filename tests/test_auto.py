@@ -1,0 +1,113 @@
+"""compression="auto": spec parsing, common decisions, error-feedback carry-over (simulated ranks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hvd_ext
+from hvd_ext.auto import AutoCompression, AutoTuner, DEFAULT_CANDIDATES, split_candidates
+from hvd_ext.exchange import cost
+from hvd_ext.exchange.harness import run_pipeline
+
+NAMES = {"w1": (40, 50), "b1": (50,), "w2": (3000,)}
+
+
+def _grads(steps, size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[{n: torch.randn(*s, generator=g) for n, s in NAMES.items()} for _ in range(size)]
+            for _ in range(steps)]
+
+
+def _link(slow_from=None, fast_from=None):
+    """A probe that reports a slow (1 kB/s) or fast (100 GB/s) link depending on the step."""
+    def probe(self):
+        step = self.pipe.step
+        slow = slow_from is not None and step >= slow_from and (fast_from is None or step < fast_from)
+        wire = cost.allreduce_wire(4.0 * 256 * 1024, self.pipe.size)
+        return {"lat": 1e-5, "large": 1e-5 + (wire / 1e3 if slow else wire / 1e11), "wire": wire}
+    return probe
+
+
+def test_spec_parsing_and_errors():
+    assert split_candidates("none,fp16,topk:ratio=0.01,scope=layer,qsgd:bits=8") == \
+        ["none", "fp16", "topk:ratio=0.01,scope=layer", "qsgd:bits=8"]
+    c = hvd_ext.compression_from_spec("auto")
+    assert isinstance(c, AutoCompression) and c.candidate_specs == list(DEFAULT_CANDIDATES)
+    assert c.spec() == "auto" and c.feedback.name == "residual"
+    c = hvd_ext.compression_from_spec("auto:every=7,candidates=none,topk:ratio=0.05,scope=layer")
+    assert c.every == 7 and c.candidate_specs == ["none", "topk:ratio=0.05,scope=layer"]
+    assert hvd_ext.compression_from_spec(c.spec()).candidate_specs == c.candidate_specs  # spec round-trips
+    for bad, words in [("auto:foo=1", "foo"), ("auto:every=0", "every"), ("auto:candidates=auto", "auto"),
+                       ("auto:candidates=none,topk:ratio=0.01,feedback=ewma", "ewma"),
+                       ("auto:candidates=nosuch", "nosuch"), ("auto:candidates=none,none", "twice")]:
+        with pytest.raises(ValueError, match=words):
+            hvd_ext.compression_from_spec(bad)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_dense_until_warmup_then_same_choice_everywhere(monkeypatch, size):
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
+    grads = _grads(6, size)
+    spec = "auto:warmup=2,candidates=none,topk:ratio=0.1,scope=layer,exchange=allgather"
+    runs = run_pipeline(spec, grads, size, bucket_bytes=8000)
+    for step in range(2):  # dense: the exact mean
+        for n in NAMES:
+            mean = sum(grads[step][r][n] for r in range(size)) / size
+            for r in runs:
+                torch.testing.assert_close(r.results[step][n], mean)
+    for r in runs:
+        assert r.pipeline.auto.report()["choice"] == runs[0].pipeline.auto.report()["choice"]
+        assert set(r.pipeline.auto.report()["choice"]) == {"topk:ratio=0.1,scope=layer,exchange=allgather"}
+        assert [b.route.name for b in r.pipeline.buckets] == ["allgather"] * len(r.pipeline.buckets)
+        for step in range(6):
+            for n in NAMES:
+                assert torch.equal(r.results[step][n], runs[0].results[step][n])
+    # after the switch the bytes fall to the sparse payload
+    assert runs[0].received[-1] < 0.35 * runs[0].received[0]
+
+
+def test_fast_link_keeps_dense(monkeypatch):
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link())
+    runs = run_pipeline("auto:warmup=1", _grads(3, 2), 2)
+    for r in runs:
+        assert set(r.pipeline.auto.report()["choice"]) == {"none"}
+        d = r.pipeline.auto.decisions[0]
+        assert d["reason"] == "warmup" and d["link"]["MB_per_s"] > 1e4
+
+
+def test_memory_carries_over_and_flushes_when_switching_back(monkeypatch):
+    """topk (slow link) for steps 2-4, then none (fast link): what topk left in the residual goes
+    out with the first dense step, so the applied updates sum to the inputs' mean exactly."""
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0, fast_from=5))
+    size, steps = 2, 8
+    grads = _grads(steps, size, seed=3)
+    spec = "auto:warmup=2,every=3,candidates=none,topk:ratio=0.05,scope=layer,exchange=allgather"
+    runs = run_pipeline(spec, grads, size)
+    choices = [d["choice"][0] for d in runs[0].pipeline.auto.decisions]
+    assert choices == ["topk:ratio=0.05,scope=layer,exchange=allgather", "none", "none"]
+    assert [d["step"] for d in runs[0].pipeline.auto.decisions] == [2, 5, 8]  # every=3
+    fb = runs[0].pipeline.feedback
+    assert not fb.memory  # flushed by the lossless codec
+    for n in NAMES:
+        applied = sum(runs[0].results[s][n] for s in range(steps))
+        target = sum(grads[s][r][n] for s in range(steps) for r in range(size)) / size
+        torch.testing.assert_close(applied, target, rtol=1e-4, atol=1e-4)
+        # while topk ran, memory held the difference
+        mid = sum(runs[0].results[s][n] for s in range(5))
+        mid_target = sum(grads[s][r][n] for s in range(5) for r in range(size)) / size
+        assert (mid - mid_target).abs().max() > 1e-2
+
+
+def test_checkpoint_keeps_choice(monkeypatch):
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
+    spec = "auto:warmup=1,candidates=none,topk:ratio=0.1,scope=layer,exchange=allgather"
+    runs = run_pipeline(spec, _grads(3, 2), 2)
+    sd = runs[0].pipeline.state_dict()
+    assert sd["auto"]["choice"] == runs[0].pipeline.auto.choice and sd["auto"]["choice"] != [0]
+
+    def restore(rank, step, pipe):
+        if step == 0:
+            pipe.load_state_dict(sd)
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link())
+    runs2 = run_pipeline(spec, _grads(1, 2), 2, before_step=restore)
+    assert runs2[0].pipeline.buckets[0].comp is runs2[0].pipeline.compressor.candidates[1]
