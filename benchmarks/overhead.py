@@ -48,6 +48,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--bucket-bytes", type=int, default=None, help="hvd_ext bucket size (default: the optimizer's)")
     p.add_argument("--profile", default=None, help="cProfile this method on rank 0 and print the top entries")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -64,7 +65,8 @@ def main(argv=None):
         if m == "horovod":
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         else:
-            opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=m)
+            kw = {"bucket_bytes": args.bucket_bytes} if args.bucket_bytes else {}
+            opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=m, **kw)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         x, y = make_x(args.batch), torch.randint(0, classes, (args.batch,))
         runs[m] = (model, opt, x, y)

@@ -247,6 +247,8 @@ def main(argv=None):
         "slow_rank": args.slow_rank if args.slow_factor > 1.0 else None,
         "slow_factor": args.slow_factor,
         "skipped_steps": s["skipped_steps"],
+        "routes": list(getattr(getattr(opt, "_pipeline", None), "routes", []) or []),
+        "auto": opt.stats.extra.get("auto"),
         "train_time_s": train_time,
         "history": history,
     }
@@ -261,6 +263,16 @@ def main(argv=None):
         print(f"comm wait ms per step {result['comm_wait_ms_per_step']:.2f}")
         print(f"train time            {train_time:.1f} s")
         print(f"sync                  {result['sync']}")
+        if result["routes"]:
+            print(f"exchange per bucket   {', '.join(result['routes'])}")
+        auto = result["auto"]
+        if auto:
+            last = auto.get("last") or {}
+            print(f"auto: codec per bucket {', '.join(auto['choice'])} ({auto['decisions']} decision(s); "
+                  f"link {last.get('link', {}).get('MB_per_s', '?')} MB/s, "
+                  f"{last.get('link', {}).get('latency_ms', '?')} ms per collective)")
+            print(f"auto: exchange ms/step predicted {last.get('predicted_ms', '?')}, "
+                  f"measured {last.get('measured_ms', last.get('measured_before_ms', '?'))}")
         print(f"exchanges per rank    {exchanges_per_rank} (mean {result['exchanges']:.1f} over {total_steps} steps)")
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
