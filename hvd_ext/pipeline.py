@@ -6,7 +6,8 @@
 
 Buckets are fixed at construction from the parameter list alone (reverse
 registration order, roughly the order backward produces gradients, filled up
-to ``bucket_bytes`` dense bytes, as PyTorch DDP does), and so is each
+to ``bucket_bytes`` dense bytes -- the first up to 1 MiB -- as PyTorch DDP
+does), and so is each
 bucket's route (:mod:`hvd_ext.exchange.routes`: allreduce, allgather,
 two-phase, sparse reduce-scatter, chosen from the compressor, the
 ``exchange=`` mode, N and the cost model). Every rank therefore builds the
@@ -40,15 +41,24 @@ class _Bucket:
     started: bool = False
 
 
-def plan_buckets(named_params: List[Tuple[str, torch.Tensor]], bucket_bytes: int) -> List[List[int]]:
-    """Greedy buckets over ``named_params`` in reverse order, each up to ``bucket_bytes`` dense bytes."""
+# Like PyTorch DDP's first bucket: the gradients backward produces first (the last layers) travel
+# in a small bucket, so their exchange overlaps the rest of backward even when the whole model
+# would fit in one ``bucket_bytes`` bucket.
+FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+def plan_buckets(named_params: List[Tuple[str, torch.Tensor]], bucket_bytes: int,
+                 first_bucket_bytes: Optional[int] = None) -> List[List[int]]:
+    """Greedy buckets over ``named_params`` in reverse order, each up to ``bucket_bytes`` dense bytes
+    (the first one up to ``first_bucket_bytes`` when given)."""
     buckets: List[List[int]] = []
     cur: List[int] = []
     cur_bytes = 0
     for i in reversed(range(len(named_params))):
         p = named_params[i][1]
         nb = p.numel() * p.element_size()
-        if cur and cur_bytes + nb > bucket_bytes:
+        cap = first_bucket_bytes if (first_bucket_bytes is not None and not buckets) else bucket_bytes
+        if cur and cur_bytes + nb > cap:
             buckets.append(cur)
             cur, cur_bytes = [], 0
         cur.append(i)
@@ -78,7 +88,7 @@ class GradientPipeline:
             raise ValueError("compression='auto' needs op=Average or Sum (Adasum is not linear across codecs); "
                              "pick a fixed compression with Adasum")
         first = compressor.candidates[AutoTuner.dense_index(compressor)] if is_auto else compressor
-        for bi, idxs in enumerate(plan_buckets(named_params, bucket_bytes)):
+        for bi, idxs in enumerate(plan_buckets(named_params, bucket_bytes, min(bucket_bytes, FIRST_BUCKET_BYTES))):
             params = [named_params[i][1] for i in idxs]
             b = _Bucket(bi, [named_params[i][0] for i in idxs], params, None, first)
             b.route = self._make_route(b, first)
