@@ -42,6 +42,24 @@ every job go to OUT_logs/ (per-step logs are deleted after a successful job).
 
 Heterogeneous runs: --slow-rank R --slow-factor F makes rank R's compute F
 times slower in every method (train.py and ddp_train.py sleep alike).
+
+Several nodes: --nodes M --ranks-per-node L runs every job on the multi-node
+testbed (scripts/shaped-cluster --nodes M --ranks-per-node L --inter RATE:
+one namespace per node, inter-node links shaped to --rate, each node's
+loopback unshaped unless --intra), launched as on a cluster with
+`horovodrun -np M*L -H node1:L,...,nodeM:L --gloo`. The default methods are
+then plain Horovod, Horovod with HOROVOD_HIERARCHICAL_ALLREDUCE=1
+(`horovod:hier`; this CPU build has no hierarchical allreduce op, only
+NCCL's, so it runs the flat ring), and qsgd:bits=8 and topk:ratio=0.01 each
+with hierarchy=flat and with the default node-aware exchange. Every job gets
+HOROVOD_DYNAMIC_PROCESS_SETS=1 (scripts/train.py calls plain hvd.init(); the
+node-aware exchange adds its process sets at run time). The routes each
+hvd_ext method takes are those the same code chooses on a simulated world
+of the same layout; the table adds each node-aware method's step time
+against its hierarchy=flat twin.
+
+    python benchmarks/compare.py --nodes 2 --ranks-per-node 2 --rate 300mbit --epochs 2 \
+        --out benchmarks/results/compare_nodes
 """
 from __future__ import annotations
 
@@ -73,6 +91,8 @@ FULL_METHODS = [
     "none@local:period=8", "none@adaptive:min=1,max=32", "none@event",
 ]
 QUICK_METHODS = ["topk:ratio=0.01", "powersgd:rank=2"]
+NODE_BASELINES = [REFERENCE, "horovod:hier"]
+NODE_METHODS = ["qsgd:bits=8,hierarchy=flat", "qsgd:bits=8", "topk:ratio=0.01,hierarchy=flat", "topk:ratio=0.01"]
 TARGETS = (0.90, 0.93, 0.94)
 
 
@@ -103,7 +123,19 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/compare[_quick])")
     p.add_argument("--no-baselines", action="store_true", help="do not add the baselines (debugging only)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--nodes", type=int, default=0,
+                   help="multi-node testbed: this many nodes (network namespaces), --rate shapes the inter-node links")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="with --nodes: ranks per node")
+    p.add_argument("--intra", default=None, help="with --nodes: also shape each node's loopback to this rate")
     a = p.parse_args(argv)
+    if a.nodes:
+        if a.nodes < 1 or a.ranks_per_node < 1:
+            p.error("--nodes and --ranks-per-node must be >= 1")
+        if str(a.rate).lower() in ("none", "unshaped", "0"):
+            p.error("--nodes needs a --rate for the inter-node links")
+        a.ranks = a.nodes * a.ranks_per_node
+        if a.methods is None:
+            a.methods = NODE_METHODS
     if a.epochs is None:
         a.epochs = 2 if a.quick else 8
     if a.target is None:
@@ -123,7 +155,8 @@ def parse_args(argv=None):
 
 def method_list(a):
     seen, out = set(), []
-    for m in ([] if a.no_baselines else BASELINES) + list(a.methods):
+    base = NODE_BASELINES if a.nodes else BASELINES
+    for m in ([] if a.no_baselines else base) + list(a.methods):
         m = m.strip()
         if m and m not in seen:
             seen.add(m)
@@ -143,8 +176,66 @@ def train_supports(flag: str) -> bool:
     return re.search(rf"(^|\s){re.escape(flag)}[\s=,]", _train_help) is not None
 
 
+def hosts(a) -> str:
+    return ",".join(f"node{i + 1}:{a.ranks_per_node}" for i in range(a.nodes))
+
+
+def launcher_prefix(a, kind: str):
+    """horovodrun / mpirun prefix: one host, or the testbed's nodes (-H node1:L,...)."""
+    if not a.nodes:
+        return common.hvd_launcher(a.ranks, kind)
+    if kind == "gloo":
+        return ["horovodrun", "-np", str(a.ranks), "-H", hosts(a), "--gloo", "--start-timeout", "120"]
+    return ["mpirun", "-np", str(a.ranks), "-H", hosts(a), "--bind-to", "none", "-x", "HOROVOD_DYNAMIC_PROCESS_SETS",
+            "-x", "BENCH_EXTRA_ARGS", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"]
+
+
+def testbed_prefix(a):
+    if not a.nodes:
+        return common.shaped_prefix(a.rate, a.latency, a.burst)
+    cmd = [str(common.SHAPED), "--nodes", str(a.nodes), "--ranks-per-node", str(a.ranks_per_node),
+           "--inter", str(a.rate), "--latency", a.latency, "--burst", a.burst]
+    if a.intra:
+        cmd += ["--intra", str(a.intra)]
+    return cmd + ["--"]
+
+
+def predicted_routes(method: str, a):
+    """Routes the hvd_ext pipeline takes for the main job's model on this layout (the same choice
+    code, run on a simulated world laid out on the same nodes), or None."""
+    comp = method.partition("@")[0]
+    if not a.nodes or method.startswith(("horovod", "ddp")):
+        return None
+    try:
+        import torch
+
+        from hvd_ext.examples.mnist1d import MNIST1DCNN
+        from hvd_ext.exchange.harness import run_pipeline
+
+        torch.manual_seed(0)
+        named = list(MNIST1DCNN(64).named_parameters())
+        grads = [[{n: torch.zeros_like(p) for n, p in named} for _ in range(a.ranks)]]
+        runs = run_pipeline(comp, grads, a.ranks, params={n: p.detach() for n, p in named},
+                            ranks_per_node=a.ranks_per_node)
+        return runs[0].routes
+    except Exception as e:  # noqa: BLE001 -- informative only
+        return [f"unknown ({type(e).__name__}: {e})"]
+
+
 def plan(method: str, a, workdir: Path):
     """-> dict(method, framework, launcher, cmd, json, log) or dict(status='skipped', reason=...)."""
+    p = _plan(method, a, workdir)
+    if a.nodes and "env" in p:
+        p["env"]["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+        if method == "horovod:hier":
+            p["env"]["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
+        routes = predicted_routes(method, a)
+        if routes is not None:
+            p["routes"] = routes
+    return p
+
+
+def _plan(method: str, a, workdir: Path):
     base = {"method": method}
     out_json = workdir / f"{common.slug(method)}.json"
     step_log = workdir / f"{common.slug(method)}.steps"
@@ -154,6 +245,9 @@ def plan(method: str, a, workdir: Path):
     env = {"BENCH_EXTRA_ARGS": json.dumps(["--log", str(step_log)])}
     shim = [common.PY, str(ROOT / "benchmarks" / "argv_shim.py")]
     if method == "ddp" or method.startswith("ddp-powersgd"):
+        if a.nodes:
+            return {**base, "framework": "pytorch-ddp", "status": "skipped",
+                    "reason": "DDP is not launched across the multi-node testbed here"}
         args = ["--hook", "allreduce"]
         if method != "ddp":
             opts = dict(rank="2", start=str(a.ddp_powersgd_start))
@@ -174,9 +268,9 @@ def plan(method: str, a, workdir: Path):
                + args + common_args)
         return {**base, "framework": "pytorch-ddp", "launcher": "torchrun/gloo", "cmd": cmd, "json": out_json,
                 "steps_log": step_log, "env": env}
-    if method in ("horovod", "horovod:none", "horovod:fp16"):
+    if method in ("horovod", "horovod:none", "horovod:fp16", "horovod:hier"):
         comp = "fp16" if method.endswith("fp16") else "none"
-        cmd = (common.hvd_launcher(a.ranks, "gloo" if a.launcher == "auto" else a.launcher) + shim
+        cmd = (launcher_prefix(a, "gloo" if a.launcher == "auto" else a.launcher) + shim
                + [str(ROOT / "scripts" / "train.py"), "--plain-horovod", "--compression", comp] + common_args)
         return {**base, "framework": "horovod", "launcher": "horovodrun/gloo", "cmd": cmd, "json": out_json,
                 "steps_log": step_log, "env": env}
@@ -213,7 +307,7 @@ def plan(method: str, a, workdir: Path):
     launcher = a.launcher
     if launcher == "auto":
         launcher = "mpi" if needs_mpi else "gloo"
-    cmd = common.hvd_launcher(a.ranks, launcher) + shim + [str(ROOT / "scripts" / "train.py"),
+    cmd = launcher_prefix(a, launcher) + shim + [str(ROOT / "scripts" / "train.py"),
                                                           "--compression", comp] + extra + common_args
     fw = "horovod+hvd_ext"
     return {**base, "framework": fw, "launcher": f"horovodrun/{launcher}" if launcher == "gloo" else "mpirun/tcp",
@@ -282,20 +376,28 @@ def run(a):
                        "target": a.target, "rate": a.rate, "tbf_latency": a.latency, "tbf_burst": a.burst,
                        "quick": a.quick, "model": "MNIST1DCNN(channels=64)", "data": "MNIST-1D 8000/2000",
                        "ddp_powersgd_start_iter": a.ddp_powersgd_start,
-                       "slow_rank": a.slow_rank if a.slow_factor > 1.0 else None, "slow_factor": a.slow_factor},
+                       "slow_rank": a.slow_rank if a.slow_factor > 1.0 else None, "slow_factor": a.slow_factor,
+                       "nodes": a.nodes or None, "ranks_per_node": a.ranks_per_node if a.nodes else None,
+                       "intra": (a.intra or "unshaped") if a.nodes else None},
             "notes": ["bytes_sent_per_step: payload bytes one rank hands to the collectives per step (mean over ranks)",
                       "ms_per_step and time_to_target: training wall-clock only (test evaluation and start-up excluded)",
                       "one tbf shaper on the namespace loopback is shared by all ranks: --rate is the aggregate link",
                       "DDP comm wait: from the last bucket hook call to the end of backward()",
                       "DDP PowerSGD bytes/step average all steps, including the first start_powerSGD_iter "
                       "uncompressed ones"]}
+    if a.nodes:
+        meta["notes"] += ["multi-node: bytes/step of a node-aware method include its dense intra-node "
+                          "reduce-scatter and allgather (fast link); the inter-node bytes are ~1/L of the "
+                          "hierarchy=flat method's off-node share",
+                          "multi-node: --rate shapes each node's inter-node link (both directions); "
+                          "intra-node traffic stays on the node's loopback"]
     entries = []
     plans = [plan(m, a, workdir) for m in methods]
     if a.dry_run:
         for p in plans:
             if "cmd" in p:
                 print(" ".join(f"{k}={shlex.quote(v)}" for k, v in p["env"].items()), " ".join(
-                    shlex.quote(c) for c in common.shaped_prefix(a.rate, a.latency, a.burst) + p["cmd"]))
+                    shlex.quote(c) for c in testbed_prefix(a) + p["cmd"]))
             else:
                 print(f"# {p['method']}: skipped ({p['reason']})")
         return None
@@ -308,12 +410,14 @@ def run(a):
     try:
         for i, p in enumerate(plans, 1):
             e = {k: v for k, v in p.items() if k not in ("cmd", "json", "steps_log", "env")}
+            if "env" in p:
+                e["env"] = dict(p["env"])
             if "cmd" not in p:
                 entries.append(e)
                 outer.write(one_line(i, len(plans), e, a))
                 outer.update(1)
                 continue
-            cmd = common.shaped_prefix(a.rate, a.latency, a.burst) + p["cmd"]
+            cmd = testbed_prefix(a) + p["cmd"]
             e["cmd"] = " ".join(f"{k}={shlex.quote(v)}" for k, v in p["env"].items()) + " " + \
                 " ".join(shlex.quote(c) for c in cmd)
             for f in (p["json"], Path(str(p["steps_log"]) + ".rank0")):
@@ -396,10 +500,18 @@ def markdown(doc) -> str:
                      fmt_bytes(r["bytes_sent_per_step"]), fmt(v.get("bytes_fewer"), ".1f", "x"),
                      fmt(e["time_to_target_s"], ".1f") if e["time_to_target_s"] is not None else "not reached",
                      x("speedup_time_to_target"), fmt(e.get("exchanges_per_epoch"), ".1f")])
-    lines = [f"{cfg['ranks']} ranks x {cfg['epochs']} epochs, MNIST-1D CNN, loopback shaped to {cfg['rate']} "
-             f"(tbf latency {cfg['tbf_latency']}); ratios against plain Horovod (`horovod`: hvd.DistributedOptimizer itself) in the same run.", "",
+    if cfg.get("nodes"):
+        where = (f"{cfg['nodes']} nodes x {cfg['ranks_per_node']} ranks (testbed: one network namespace per node), "
+                 f"inter-node links shaped to {cfg['rate']} (tbf latency {cfg['tbf_latency']}), intra-node "
+                 f"{cfg.get('intra') or 'unshaped'}")
+    else:
+        where = f"loopback shaped to {cfg['rate']} (tbf latency {cfg['tbf_latency']})"
+    lines = [f"{cfg['ranks']} ranks x {cfg['epochs']} epochs, MNIST-1D CNN, {where}; ratios against plain Horovod "
+             "(`horovod`: hvd.DistributedOptimizer itself) in the same run.", "",
              "| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
+    if cfg.get("nodes"):
+        lines += node_summary(doc)
     if skipped:
         lines += ["", "Not measured:", ""]
         lines += [f"- `{e['method']}`: {e['status']} — {e.get('reason', '')}" for e in skipped]
@@ -412,6 +524,46 @@ def markdown(doc) -> str:
             cells = [f"{100 * h['test_acc']:.1f}% @ {h['train_time_s']:.1f}s" for h in e["result"]["history"]]
             lines.append(f"| `{e['method']}` | " + " | ".join(cells + [""] * (n - len(cells))) + " |")
     return "\n".join(lines) + "\n"
+
+
+def node_aware_pairs(doc):
+    """[(node-aware entry, its hierarchy=flat twin or None)] among the measured methods."""
+    ok = {e["method"]: e for e in doc["methods"] if e["status"] == "ok"}
+    pairs = []
+    for m, e in ok.items():
+        if m.startswith(("horovod", "ddp")) or "hierarchy=flat" in m:
+            continue
+        comp, _, sync = m.partition("@")
+        twin = comp + ("," if ":" in comp else ":") + "hierarchy=flat" + ("@" + sync if sync else "")
+        pairs.append((e, ok.get(twin)))
+    return pairs
+
+
+def node_summary(doc):
+    ok = {e["method"]: e for e in doc["methods"] if e["status"] == "ok"}
+    ref = ok.get(REFERENCE)
+    lines = ["", "Routes (per bucket) and node-aware step time against the same spec with `hierarchy=flat` "
+             "and against plain Horovod, measured in this run:", "",
+             "| method | routes | ms/step | vs hierarchy=flat | vs plain Horovod |", "|---|---|---|---|---|"]
+    for e in doc["methods"]:
+        if e["status"] != "ok" or e["method"].startswith(("horovod", "ddp")):
+            continue
+        r = e["result"]
+        twin = None
+        for ne, fe in node_aware_pairs(doc):
+            if ne is e:
+                twin = fe
+        vs_flat = fmt(r["ms_per_step"] / twin["result"]["ms_per_step"], ".2f", "x") if twin else "-"
+        vs_hvd = fmt(r["ms_per_step"] / ref["result"]["ms_per_step"], ".2f", "x") if ref else "-"
+        lines.append(f"| `{e['method']}` | {', '.join(e.get('routes') or ['?'])} | {r['ms_per_step']:.2f} | "
+                     f"{vs_flat} | {vs_hvd} |")
+    hier = ok.get("horovod:hier")
+    if hier and ref:
+        lines += ["", f"`horovod:hier` (HOROVOD_HIERARCHICAL_ALLREDUCE=1): {hier['result']['ms_per_step']:.2f} ms/step, "
+                  f"{hier['result']['ms_per_step'] / ref['result']['ms_per_step']:.2f}x plain Horovod; this Horovod "
+                  "build is CPU-only and implements the hierarchical allreduce only over NCCL, so the variable "
+                  "leaves the Gloo ring allreduce unchanged."]
+    return lines
 
 
 def plots(doc, out: Path):

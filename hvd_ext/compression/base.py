@@ -33,6 +33,12 @@ from ..options import Option, resolve_options
 EXCHANGES = ("allreduce", "allgather")
 # How an allgather codec's bucket travels (spec key ``exchange=``; see hvd_ext.exchange.routes).
 ROUTE_CHOICES = ("auto", "allgather", "twophase")
+# Spec key ``hierarchy=``: auto = node-aware (dense inside a node, compressed across nodes) when the job
+# spans several nodes of several ranks and the cost model says it pays; flat = one exchange over all ranks.
+HIERARCHY_CHOICES = ("auto", "flat")
+HIERARCHY_OPTION = Option(str, "auto", choices=HIERARCHY_CHOICES,
+                          help="auto: node-aware exchange (dense inside a node, compressed across nodes) on "
+                               "multi-node jobs when the cost model says it pays; flat: never")
 
 
 @dataclass
@@ -216,6 +222,8 @@ def register(name: str):
         if cls.exchange not in EXCHANGES:
             raise RuntimeError(f"{cls.__name__}.exchange must be one of {EXCHANGES}")
         cls.name = name
+        if "hierarchy" not in cls.options:  # every compressor accepts hierarchy=auto|flat
+            cls.options = {**cls.options, "hierarchy": HIERARCHY_OPTION}
         _REGISTRY[name] = cls
         return cls
 

@@ -6,8 +6,16 @@
 * :mod:`.core` -- :class:`Exchange`: fused buckets, the non-finite flag, byte counts;
 * :mod:`.cost` -- wire bytes per collective and the alpha-beta cost model;
 * :mod:`.twophase` and :mod:`.sparse_rs` -- the scalable compressed exchanges
-  (two-phase compressed allreduce; sparse reduce-scatter).
+  (two-phase compressed allreduce; sparse reduce-scatter);
+* :mod:`.hierarchical` -- the node-aware exchange: dense inside a node,
+  compressed across nodes, each local rank carrying 1/L of the bucket.
+
+The node-aware exchange needs Horovod process sets for the nodes: start
+Horovod with ``hvd.init(process_sets="dynamic")`` (or
+``HOROVOD_DYNAMIC_PROCESS_SETS=1`` in the environment), or declare them with
+``hvd.init(process_sets=hvd_ext.exchange.node_process_sets())``.
 """
 from .core import Exchange, ExchangeStats, Pending, frame, unframe  # noqa: F401
 from .simulated import SimulatedTransport, SimulatedWorld, run_world  # noqa: F401
-from .transport import HorovodTransport, Transport, offsets, split_sizes  # noqa: F401
+from .transport import (HorovodTransport, NodeGroupsUnavailable, Topology, Transport,  # noqa: F401
+                        node_process_sets, offsets, split_sizes)

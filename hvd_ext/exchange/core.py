@@ -17,8 +17,16 @@ scalars, configuration fingerprints -- goes through one ``Exchange``:
 * ``start_alltoall`` / ``finish_alltoall``: one such buffer per destination
   rank, sent with a single variable-split alltoall (the first phase of the
   two-phase and sparse reduce-scatter exchanges);
+* ``start_reduce_scatter`` / ``finish_reduce_scatter`` and
+  ``start_allgather_dense`` / ``finish_allgather_dense``: dense float shards
+  (the intra-node phases of the node-aware exchange);
 * ``allreduce_average``, ``allreduce_scalar``, ``allgather_object``,
   ``broadcast_object`` for the sync strategies and the optimizer.
+
+``node_exchanges()`` gives two sub-exchanges over this rank's node and over
+the ranks with the same local rank on every node; they count into the same
+``stats``, their wire bytes also under ``stats.wire_by_link["intra"]`` and
+``["inter"]``.
 
 Bytes counted per rank (``stats``): ``bytes_sent`` is what this rank hands to
 the collectives, ``bytes_received`` what it gets back from other ranks
@@ -53,12 +61,18 @@ class ExchangeStats:
     collectives: int = 0
     wait_s: float = 0.0
     by_kind: Dict[str, int] = field(default_factory=dict)  # collectives per kind
+    wire_by_link: Dict[str, float] = field(default_factory=dict)  # "flat" | "intra" | "inter"
 
     def reset(self):
         self.bytes_sent = self.bytes_received = self.collectives = 0
         self.wire_bytes = 0.0
         self.wait_s = 0.0
         self.by_kind = {}
+        self.wire_by_link = {}
+
+    def add_wire(self, link: str, wire: float) -> None:
+        self.wire_bytes += float(wire)
+        self.wire_by_link[link] = self.wire_by_link.get(link, 0.0) + float(wire)
 
 
 @dataclass
@@ -131,14 +145,17 @@ class Exchange:
     """
 
     def __init__(self, op=None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                 process_set=None, transport: Optional[Transport] = None):
+                 process_set=None, transport: Optional[Transport] = None, link: str = "flat",
+                 stats: Optional[ExchangeStats] = None):
         self.op_name = _op_name(op)
         self.op = op
         self.prescale_factor = float(prescale_factor)
         self.postscale_factor = float(postscale_factor)
         self.transport = transport if transport is not None else HorovodTransport(process_set)
         self.process_set = getattr(self.transport, "process_set", None)
-        self.stats = ExchangeStats()
+        self.link = link
+        self.stats = stats if stats is not None else ExchangeStats()
+        self._node = None  # (local, cross) sub-exchanges, or the reason they are unavailable
 
     # ---- world ---------------------------------------------------------------------
     @property
@@ -159,11 +176,33 @@ class Exchange:
             f /= self.size
         return f
 
+    def topology(self):
+        """Where this rank sits among the nodes (:class:`~hvd_ext.exchange.transport.Topology`) or None."""
+        return self.transport.topology()
+
+    def node_exchanges(self) -> Tuple["Exchange", "Exchange"]:
+        """(exchange over this rank's node, exchange over the ranks with this local rank on every node),
+        both summing (op "sum"), counting into this exchange's ``stats``. Made once, by every rank in
+        the same order; raises :class:`~hvd_ext.exchange.transport.NodeGroupsUnavailable`."""
+        from .transport import NodeGroupsUnavailable
+
+        if isinstance(self._node, str):
+            raise NodeGroupsUnavailable(self._node)
+        if self._node is None:
+            try:
+                local, cross = self.transport.node_groups()
+            except NodeGroupsUnavailable as e:
+                self._node = str(e)
+                raise
+            self._node = (Exchange(op="sum", transport=local, link="intra", stats=self.stats),
+                          Exchange(op="sum", transport=cross, link="inter", stats=self.stats))
+        return self._node
+
     def _count(self, kind: str, sent: int, received: int, wire: float) -> None:
         s = self.stats
         s.bytes_sent += int(sent)
         s.bytes_received += int(received)
-        s.wire_bytes += float(wire)
+        s.add_wire(self.link, wire)
         s.collectives += 1
         s.by_kind[kind] = s.by_kind.get(kind, 0) + 1
 
@@ -243,7 +282,7 @@ class Exchange:
         own = pending.extra["own"]
         recv = buf.numel() - own
         self.stats.bytes_received += recv
-        self.stats.wire_bytes += cost.allgather_wire(own, buf.numel(), self.size)
+        self.stats.add_wire(self.link, cost.allgather_wire(own, buf.numel(), self.size))
         self.stats.collectives += 1
         self.stats.by_kind["allgather"] = self.stats.by_kind.get("allgather", 0) + 1
         n = pending.meta
@@ -292,10 +331,68 @@ class Exchange:
         recv = received.numel() - rsplits[me]
         sent = sum(pending.extra["splits"]) - pending.extra["splits"][me]
         self.stats.bytes_received += recv
-        self.stats.wire_bytes += cost.alltoall_wire(sent, recv)
+        self.stats.add_wire(self.link, cost.alltoall_wire(sent, recv))
         self.stats.collectives += 1
         self.stats.by_kind["alltoall"] = self.stats.by_kind.get("alltoall", 0) + 1
         return out, nonfinite
+
+    # ---- dense shards (node-aware exchange, inside a node) ------------------------------
+    def start_reduce_scatter(self, name: str, flat: torch.Tensor, splits: Sequence[int], nonfinite: bool) -> Pending:
+        """Sum of every rank's ``flat`` (1-D float), piece j (``splits``) to rank j, as one alltoall
+        (the bytes of a ring reduce-scatter: (N-1)/N x buffer out). Each piece carries one trailing
+        flag element (some rank had a non-finite gradient)."""
+        N = self.size
+        splits = [int(x) for x in splits]
+        if len(splits) != N or sum(splits) != flat.numel():
+            raise ValueError(f"start_reduce_scatter: splits {splits} do not cover {flat.numel()} elements "
+                             f"over {N} ranks")
+        flag = torch.full((1,), 1.0 if nonfinite else 0.0, dtype=flat.dtype, device=flat.device)
+        parts, a = [], 0
+        for sz in splits:
+            parts += [flat[a:a + sz], flag]
+            a += sz
+        buf = torch.cat(parts)
+        h = self.transport.alltoall_async(buf, [sz + 1 for sz in splits], name)
+        esz = flat.element_size()
+        me = self.rank
+        sent = (buf.numel() - splits[me] - 1) * esz
+        self.stats.bytes_sent += sent
+        return Pending("reduce_scatter", [h], splits, {"sent": sent, "esz": esz})
+
+    def finish_reduce_scatter(self, pending: Pending) -> Tuple[torch.Tensor, bool]:
+        """(this rank's piece of the sum, the flag: some rank of the group had a non-finite gradient)."""
+        received, _ = self._wait(pending.handles[0])
+        splits, me, N = pending.meta, self.rank, self.size
+        k = splits[me] + 1
+        pieces = received.view(N, k)
+        total = pieces[0].clone()
+        for r in range(1, N):  # in rank order: the same sum on every rank that holds the piece
+            total.add_(pieces[r])
+        flag = total[-1]
+        nonfinite = bool(flag.item() != 0) or not bool(torch.isfinite(flag).item())
+        recv = (received.numel() - k) * pending.extra["esz"]
+        self.stats.bytes_received += recv
+        self.stats.add_wire(self.link, cost.alltoall_wire(pending.extra["sent"], recv))
+        self.stats.collectives += 1
+        self.stats.by_kind["reduce_scatter"] = self.stats.by_kind.get("reduce_scatter", 0) + 1
+        return total[:-1], nonfinite
+
+    def start_allgather_dense(self, name: str, shard: torch.Tensor) -> Pending:
+        """Every rank's ``shard`` (1-D, sizes may differ), concatenated in rank order."""
+        h = self.transport.allgather_async(shard.reshape(-1), name)
+        own = shard.numel() * shard.element_size()
+        self.stats.bytes_sent += own
+        return Pending("allgather_dense", [h], None, {"own": own, "esz": shard.element_size()})
+
+    def finish_allgather_dense(self, pending: Pending) -> torch.Tensor:
+        out = self._wait(pending.handles[0])
+        total = out.numel() * pending.extra["esz"]
+        own = pending.extra["own"]
+        self.stats.bytes_received += total - own
+        self.stats.add_wire(self.link, cost.allgather_wire(own, total, self.size))
+        self.stats.collectives += 1
+        self.stats.by_kind["allgather"] = self.stats.by_kind.get("allgather", 0) + 1
+        return out
 
     def _infer_splits(self, received: torch.Tensor, n: int) -> List[int]:
         splits, off = [], 0

@@ -25,6 +25,26 @@ twophase       (N-1) + (N-1)             2(N-1)/N x C         2n + 2n (shards)
 ``choose_exchange`` evaluates the model for the candidates and returns the
 cheapest; it depends only on N, sizes and the model's constants, so every
 rank gets the same answer. ``project`` tabulates the model up to N = 1024.
+
+Nodes (M nodes of L ranks, N = M L): a node's L ranks share one inter-node
+link (its NIC); inside a node the link is fast (NVLink, shared memory). A
+flat exchange sends the fraction (N-L)/(N-1) of a rank's all-to-all traffic
+off the node, so the NIC carries L x that; a ring allreduce crosses each NIC
+once per step of the ring (the per-rank bytes). The node-aware (2-D)
+exchange (:mod:`.hierarchical`; Horovod's hierarchical allreduce, BlueConnect,
+Cho et al. 2019, and CGX's node-local aggregation do the same for dense
+gradients):
+
+* inside the node, dense: reduce-scatter + allgather of D, 2(L-1)/L x D per
+  rank over the intra link, 2(L-1) messages;
+* across nodes, compressed: every local rank runs the inner exchange on its
+  1/L shard (n/L elements, ~C/L bytes) with its M peers; the NIC carries the
+  L shards, L x the inner per-rank bytes (so 2(M-1)/M x C for two-phase:
+  a factor L below flat).
+
+``predict_flat`` / ``predict_node_aware`` evaluate both with a
+:class:`NodeModel` (an intra and an inter :class:`LinkModel`);
+``choose_hierarchy`` compares them.
 """
 from __future__ import annotations
 
@@ -103,3 +123,73 @@ def project(n_elems: int, compressed_bytes: float, sizes: List[int], link: LinkM
             row[f"{ex}_wire"] = per_rank(ex, n_elems, compressed_bytes, N)["wire"]
         rows.append(row)
     return rows
+
+
+@dataclass
+class NodeModel:
+    """Link models inside a node and between nodes (defaults: shared memory / NVLink-class inside,
+    10 Gbit/s Ethernet between)."""
+
+    intra: LinkModel = None
+    inter: LinkModel = None
+
+    def __post_init__(self):
+        if self.intra is None:
+            self.intra = LinkModel(alpha=5e-6, bandwidth=10e9)
+        if self.inter is None:
+            self.inter = LinkModel()
+
+
+def _best(candidates: Iterable[str], n_elems: int, compressed_bytes: float, size: int,
+          time_of) -> tuple:
+    best, best_t = None, None
+    for ex in candidates:
+        t = time_of(ex)
+        if best_t is None or t < best_t - 1e-15:
+            best, best_t = ex, t
+    return best, best_t
+
+
+def predict_flat(exchange: str, n_elems: int, compressed_bytes: float, nodes: int, local: int,
+                 model: NodeModel = None) -> float:
+    """Seconds for a flat exchange over N = nodes x local ranks: the node's NIC carries the off-node
+    part of its L ranks' traffic (the whole per-rank bytes of a ring allreduce)."""
+    model = model or NodeModel()
+    N = nodes * local
+    c = per_rank(exchange, n_elems, compressed_bytes, N)
+    if N <= 1:
+        return model.intra.time(0, 0, c["coded"])
+    if exchange == "allreduce":
+        nic = c["wire"]
+    else:
+        nic = local * c["wire"] * (N - local) / (N - 1)
+    inter = model.inter
+    return c["messages"] * inter.alpha + nic / inter.bandwidth + c["coded"] / inter.codec
+
+
+def predict_node_aware(inner: str, n_elems: int, compressed_bytes: float, nodes: int, local: int,
+                       model: NodeModel = None) -> float:
+    """Seconds for the node-aware exchange with ``inner`` across nodes (see the module text)."""
+    model = model or NodeModel()
+    L, M = local, nodes
+    D = 4.0 * n_elems
+    intra = model.intra.time(2.0 * (L - 1), 2.0 * (L - 1) / L * D if L > 1 else 0.0, 0.0)
+    shard = max(1, n_elems // max(L, 1))
+    c = per_rank(inner, shard, compressed_bytes / max(L, 1), M)
+    if inner == "allreduce":
+        c = dict(c, wire=allreduce_wire(compressed_bytes / max(L, 1), M))
+    inter = model.inter
+    return intra + c["messages"] * inter.alpha + L * c["wire"] / inter.bandwidth + c["coded"] / inter.codec
+
+
+def choose_hierarchy(flat_candidates: Iterable[str], inner_candidates: Iterable[str], n_elems: int,
+                     compressed_bytes: float, nodes: int, local: int, model: NodeModel = None) -> Dict[str, object]:
+    """Best flat exchange, best node-aware inner exchange, their predicted seconds and whether the
+    node-aware one is cheaper (``node_aware``). Same inputs -> same answer on every rank."""
+    model = model or NodeModel()
+    f, tf = _best(flat_candidates, n_elems, compressed_bytes, nodes * local,
+                  lambda ex: predict_flat(ex, n_elems, compressed_bytes, nodes, local, model))
+    h, th = _best(inner_candidates, n_elems, compressed_bytes, nodes,
+                  lambda ex: predict_node_aware(ex, n_elems, compressed_bytes, nodes, local, model))
+    return {"flat": f, "flat_s": tf, "inner": h, "node_s": th,
+            "node_aware": bool(nodes > 1 and local > 1 and th < tf)}

@@ -16,11 +16,15 @@ twophase       alltoall of shards + allgather of re-coded      2(N-1)/N x payloa
                shards (:mod:`.twophase`)
 sparse_rs      alltoall of (index, value) pairs by owner        ~2k pairs, flat in N
                range + allgather of re-selected (:mod:`.sparse_rs`)
+node:<inner>   dense reduce-scatter in the node, <inner> on     inter-node: 1/L of the
+               1/L of the bucket across nodes, dense            above per rank
+               allgather in the node (:mod:`.hierarchical`)
 =============  ==============================================  ==========================
 
 ``choose_route`` picks one from the compressor family, the spec's
-``exchange=`` and the cost model (:mod:`.cost`); it depends on nothing
-rank-local, so every rank builds the same routes.
+``exchange=`` and ``hierarchy=`` keys and the cost model (:mod:`.cost`); it
+depends on nothing rank-local (Horovod's local/cross sizes are the same on
+every rank of a homogeneous job), so every rank builds the same routes.
 """
 from __future__ import annotations
 
@@ -35,7 +39,14 @@ from ..compression.base import Compressor, Continue, TensorInfo
 from . import cost
 from .core import Exchange
 
-from ..compression.base import ROUTE_CHOICES  # noqa: E402  (auto | allgather | twophase)
+from ..compression.base import HIERARCHY_CHOICES, ROUTE_CHOICES  # noqa: E402
+
+# Linear codecs whose payload can be cut into shards elementwise (PowerSGD's factors cannot).
+SHARDABLE_LINEAR = ("none", "fp16")
+# Feedbacks whose memory the node-aware exchange reproduces at node level (residual error feedback);
+# momentum masking (dgc_momentum) and prediction sharing (ewma) need each rank's own sent mask.
+NODE_FEEDBACKS = ("none", "residual")
+_warned = set()
 
 
 @dataclass(eq=False)
@@ -192,9 +203,71 @@ def estimated_payload_bytes(comp: Compressor, numel: int) -> float:
     return numel * bits / 8.0
 
 
+def node_aware_reason(comp: Compressor, exchange: Optional[Exchange]) -> Optional[str]:
+    """None when the node-aware exchange can carry this compressor over ``exchange``'s nodes;
+    else why not (the same on every rank)."""
+    if getattr(comp, "hierarchy", "auto") == "flat":
+        return "hierarchy=flat"
+    topo = exchange.topology() if exchange is not None else None
+    if topo is None or not topo.multi_node:
+        return "one node, one rank per node, or nodes of different sizes"
+    if comp.exchange == "allreduce" and comp.name not in SHARDABLE_LINEAR:
+        return f"'{comp.name}' payloads cannot be cut into shards"
+    fb = getattr(getattr(comp, "feedback", None), "name", "none")
+    if fb not in NODE_FEEDBACKS:
+        return f"feedback '{fb}' needs every rank's own sent mask"
+    return None
+
+
 def choose_route(comp: Compressor, mode: str, numel: int, size: int,
-                 link: Optional[cost.LinkModel] = None) -> str:
-    """Route name for a bucket of ``numel`` elements (same inputs -> same answer on every rank)."""
+                 link: Optional[cost.LinkModel] = None, exchange: Optional[Exchange] = None,
+                 model: Optional[cost.NodeModel] = None) -> str:
+    """Route name for a bucket of ``numel`` elements (same inputs -> same answer on every rank).
+
+    With ``exchange`` (the pipeline's), a multi-node job and ``hierarchy=auto`` (the default), the
+    node-aware route ``"node:<inner>"`` is returned when the cost model (:func:`cost.choose_hierarchy`)
+    predicts it is faster; when Horovod cannot make the node process sets, one warning says what
+    to pass to ``hvd.init`` and the flat route is used."""
+    flat = _choose_flat(comp, mode, numel, size, link)
+    hier = getattr(comp, "hierarchy", "auto")
+    if hier not in HIERARCHY_CHOICES:
+        raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY_CHOICES)}, got {hier!r}")
+    if exchange is None or node_aware_reason(comp, exchange) is not None:
+        return flat
+    topo = exchange.topology()
+    M, L = topo.cross_size, topo.local_size
+    if comp.exchange == "allreduce":
+        cands = ("allreduce",)
+    elif mode == "allgather":
+        cands = ("allgather",)
+    elif mode == "twophase":
+        cands = ("twophase",)
+    else:
+        cands = ("allgather", "twophase")
+    payload = estimated_payload_bytes(comp, numel) if comp.exchange != "allreduce" else \
+        numel * (2.0 if comp.name == "fp16" else 4.0)
+    pick = cost.choose_hierarchy(cands, cands, numel, payload, M, L, model)
+    if not pick["node_aware"]:
+        return flat
+    from .transport import NodeGroupsUnavailable
+
+    try:
+        exchange.node_exchanges()
+    except NodeGroupsUnavailable as e:
+        key = str(e)
+        if key not in _warned:
+            _warned.add(key)
+            import warnings
+
+            warnings.warn(f"hvd_ext: node-aware compression is off, the exchange is flat: {e}", stacklevel=3)
+        return flat
+    inner = pick["inner"]
+    if inner == "twophase":
+        inner = "sparse_rs" if comp.sparse else "twophase"
+    return "node:" + inner
+
+
+def _choose_flat(comp: Compressor, mode: str, numel: int, size: int, link: Optional[cost.LinkModel]) -> str:
     if mode not in ROUTE_CHOICES:
         raise ValueError(f"exchange must be one of {', '.join(ROUTE_CHOICES)}, got {mode!r}")
     if comp.exchange == "allreduce":
@@ -217,4 +290,11 @@ def make_route(kind: str, comp: Compressor, exchange: Exchange, tag: str, memory
 
     classes = {"allreduce": AllreduceRoute, "allgather": AllgatherRoute, "twophase": TwoPhaseRoute,
                "sparse_rs": SparseReduceScatterRoute}
+    if kind.startswith("node:"):
+        from .hierarchical import NodeAwareRoute
+
+        inner = kind[len("node:"):]
+        if inner not in classes:
+            raise ValueError(f"unknown route {kind!r}")
+        return NodeAwareRoute(comp, exchange, tag, memory, inner=inner)
     return classes[kind](comp, exchange, tag, memory)

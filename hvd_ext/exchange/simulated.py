@@ -10,6 +10,13 @@ its contribution; a rank waiting longer than ``timeout`` raises (a test that
 would deadlock fails instead). Results are computed in rank order and in the
 tensor's own dtype, so they are deterministic. Used by the unit tests to run
 the real ``GradientPipeline`` for any N without launching processes.
+
+Nodes: ``SimulatedWorld(6, ranks_per_node=3)`` lays ranks out as a launcher
+does on a cluster (ranks 0-2 on node 0, 3-5 on node 1), so ``topology()``
+reports local and cross ranks, and ``node_groups()`` returns transports over
+the node's ranks and over the ranks with the same local rank on every node
+(Horovod's local and cross process sets). ``process_sets=False`` stands for a
+job where such process sets cannot be made (``node_groups`` raises).
 """
 from __future__ import annotations
 
@@ -18,16 +25,22 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .transport import Transport
+from .transport import NodeGroupsUnavailable, Topology, Transport
 
 
 class SimulatedWorld:
-    def __init__(self, size: int, timeout: float = 60.0, local_size: int = 1):
+    def __init__(self, size: int, timeout: float = 60.0, local_size: int = 1, ranks_per_node: int = 0,
+                 process_sets: bool = True):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"SimulatedWorld: size must be an int >= 1, got {size!r}")
+        if ranks_per_node and (not isinstance(ranks_per_node, int) or ranks_per_node < 1 or size % ranks_per_node):
+            raise ValueError(f"SimulatedWorld: ranks_per_node must divide size {size}, got {ranks_per_node!r}")
         self.size = size
-        self.local = local_size
+        self.ranks_per_node = int(ranks_per_node) if ranks_per_node else 0
+        self.local = self.ranks_per_node or local_size
+        self.process_sets = bool(process_sets)
         self.timeout = timeout
+        self._groups: Dict[Tuple[int, ...], "SimulatedWorld"] = {}
         self._cv = threading.Condition()
         self._posts: Dict[Tuple[str, int], Dict[int, Any]] = {}
         self._taken: Dict[Tuple[str, int], int] = {}
@@ -61,6 +74,15 @@ class SimulatedWorld:
         if any(t.is_alive() for t in threads):
             raise TimeoutError("SimulatedWorld.run: a rank did not finish (deadlock?)")
         return results
+
+    def group(self, ranks) -> "SimulatedWorld":
+        """The sub-world of ``ranks`` (one per distinct rank list, shared by its members)."""
+        key = tuple(int(r) for r in ranks)
+        with self._cv:
+            g = self._groups.get(key)
+            if g is None:
+                g = self._groups[key] = SimulatedWorld(len(key), timeout=self.timeout)
+            return g
 
     # ---- matching ------------------------------------------------------------------------
     def post(self, rank: int, kind: str, name: str, seq: int, value: Any) -> Tuple[str, int]:
@@ -104,6 +126,28 @@ class SimulatedTransport(Transport):
 
     def local_size(self) -> int:
         return self.world.local
+
+    def topology(self):
+        L = self.world.ranks_per_node
+        if not L:
+            return None
+        return Topology(local_rank=self._rank % L, local_size=L, cross_rank=self._rank // L,
+                        cross_size=self.world.size // L, homogeneous=True)
+
+    def node_groups(self):
+        topo = self.topology()
+        if topo is None:
+            raise NodeGroupsUnavailable("the simulated world has no nodes (ranks_per_node not set)")
+        if not self.world.process_sets:
+            raise NodeGroupsUnavailable("process sets disabled in this simulated world")
+        cached = getattr(self, "_node_groups", None)
+        if cached is None:
+            L, node, lr = topo.local_size, topo.cross_rank, topo.local_rank
+            local = [node * L + j for j in range(L)]
+            cross = [m * L + lr for m in range(topo.cross_size)]
+            cached = self._node_groups = (self.world.group(local).transport(local.index(self._rank)),
+                                          self.world.group(cross).transport(cross.index(self._rank)))
+        return cached
 
     def _post(self, kind: str, name: str, value: Any):
         k = f"{kind}:{name}"
@@ -165,9 +209,10 @@ class SimulatedTransport(Transport):
         return posts[root]
 
 
-def run_world(size: int, fn: Callable[[int, SimulatedTransport], Any], timeout: float = 60.0) -> List[Any]:
-    """Shorthand: ``SimulatedWorld(size, timeout).run(fn)``."""
-    return SimulatedWorld(size, timeout).run(fn)
+def run_world(size: int, fn: Callable[[int, SimulatedTransport], Any], timeout: float = 60.0,
+              ranks_per_node: int = 0) -> List[Any]:
+    """Shorthand: ``SimulatedWorld(size, timeout, ranks_per_node=...).run(fn)``."""
+    return SimulatedWorld(size, timeout, ranks_per_node=ranks_per_node).run(fn)
 
 
 __all__ = ["SimulatedWorld", "SimulatedTransport", "run_world"]

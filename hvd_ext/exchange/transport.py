@@ -13,12 +13,46 @@ Two implementations of one small interface:
 Every method is called by every rank of the process set in the same order
 with the same ``name`` (the rule of consistency); handles are completed by
 :meth:`Transport.wait`.
+
+Nodes: ``topology()`` says how the ranks sit on nodes (Horovod's local and
+cross ranks) and ``node_groups()`` returns two transports, over this rank's
+node and over the ranks with this local rank on every node, for the
+node-aware exchange (:mod:`hvd_ext.exchange.hierarchical`). On Horovod these
+are process sets, which must be declared at ``hvd.init`` or be addable at
+run time::
+
+    hvd.init(process_sets="dynamic")      # or HOROVOD_DYNAMIC_PROCESS_SETS=1
+    # or, declared up front (ranks placed node by node, as horovodrun and mpirun do):
+    hvd.init(process_sets=hvd_ext.exchange.node_process_sets())
 """
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this rank sits: ``local_rank`` of ``local_size`` on node ``cross_rank`` of ``cross_size``.
+    ``homogeneous``: every node runs the same number of ranks (the same on every rank)."""
+
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    homogeneous: bool = True
+
+    @property
+    def multi_node(self) -> bool:
+        """More than one node and more than one rank per node, every node alike."""
+        return self.homogeneous and self.cross_size > 1 and self.local_size > 1
+
+
+class NodeGroupsUnavailable(RuntimeError):
+    """The local / cross groups of the node-aware exchange cannot be made (the message says why)."""
 
 
 class Transport:
@@ -36,6 +70,15 @@ class Transport:
     def local_size(self) -> int:
         """Ranks of this process set on this rank's node (1 when unknown)."""
         return 1
+
+    def topology(self) -> Optional[Topology]:
+        """This rank's place among the nodes, or None when unknown (a single flat group)."""
+        return None
+
+    def node_groups(self) -> Tuple["Transport", "Transport"]:
+        """(transport over this rank's node, transport over the ranks with this local rank on every
+        node). Called by every rank, in the same order. Raises :class:`NodeGroupsUnavailable`."""
+        raise NodeGroupsUnavailable("this transport has no node groups")
 
     def allreduce_async(self, tensor: torch.Tensor, name: str, op: str = "sum",
                         prescale: float = 1.0, postscale: float = 1.0) -> Any:
@@ -85,6 +128,54 @@ class HorovodTransport(Transport):
             return self.hvd.local_size()
         return 1
 
+    def topology(self) -> Optional[Topology]:
+        hvd = self.hvd
+        if self.process_set is not hvd.global_process_set:
+            return None  # a sub-process-set's ranks need not fill whole nodes: flat
+        homog = getattr(hvd, "is_homogeneous", None)
+        if homog is None:
+            from horovod.torch.mpi_ops import _basics
+
+            homog = _basics.is_homogeneous
+        return Topology(local_rank=hvd.local_rank(), local_size=hvd.local_size(), cross_rank=hvd.cross_rank(),
+                        cross_size=hvd.cross_size(), homogeneous=bool(homog()))
+
+    def node_groups(self):
+        key = id(self.process_set)
+        if key in _NODE_GROUPS:
+            return _NODE_GROUPS[key]
+        topo = self.topology()
+        if topo is None or not topo.multi_node:
+            raise NodeGroupsUnavailable("not a homogeneous multi-node job on the global process set")
+        hvd = self.hvd
+        # Where every rank sits (one small allgather; layouts other than node by node work too).
+        places = self.allgather_object((topo.cross_rank, topo.local_rank), "hvd_ext.node_layout")
+        local_sets, cross_sets = layout_sets(places, topo.cross_size, topo.local_size)
+        from horovod.common import process_sets as ps_mod
+
+        known = {tuple(r): i for i, r in ps_mod._basics._get_process_set_ids_and_ranks().items()}
+        missing = [r for r in local_sets + cross_sets if tuple(r) not in known]
+        if missing and not dynamic_process_sets():
+            raise NodeGroupsUnavailable(
+                f"Horovod process sets for the nodes are not declared (missing e.g. ranks {missing[0]}) and "
+                "dynamic process sets are off: call hvd.init(process_sets='dynamic') or set "
+                "HOROVOD_DYNAMIC_PROCESS_SETS=1, or declare them with "
+                "hvd.init(process_sets=hvd_ext.exchange.node_process_sets())")
+        made: Dict[Tuple[int, ...], Any] = {}
+        for ranks in local_sets + cross_sets:  # same order on every rank: add_process_set is collective
+            t = tuple(ranks)
+            if t in known:
+                ps = hvd.ProcessSet(list(ranks))
+                ps.process_set_id = known[t]
+            else:
+                ps = hvd.add_process_set(list(ranks))
+            made[t] = ps
+        mine_local = made[tuple(local_sets[topo.cross_rank])]
+        mine_cross = made[tuple(cross_sets[topo.local_rank])]
+        out = (HorovodTransport(mine_local), HorovodTransport(mine_cross))
+        _NODE_GROUPS[key] = out
+        return out
+
     def allreduce_async(self, tensor, name, op="sum", prescale=1.0, postscale=1.0):
         return ("ar", self.hvd.allreduce_async_(tensor, name=name, op=self._ops[op], prescale_factor=prescale,
                                                 postscale_factor=postscale, process_set=self.process_set))
@@ -124,6 +215,40 @@ class HorovodTransport(Transport):
 
     def broadcast_object(self, obj, root, name):
         return self.hvd.broadcast_object(obj, root_rank=root, name=name, process_set=self.process_set)
+
+
+_NODE_GROUPS: Dict[int, Tuple[Transport, Transport]] = {}
+
+
+def dynamic_process_sets() -> bool:
+    """True when Horovod may add process sets after ``hvd.init`` (``HOROVOD_DYNAMIC_PROCESS_SETS``)."""
+    return os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def layout_sets(places: Sequence[Tuple[int, int]], cross_size: int, local_size: int):
+    """From every rank's (cross_rank, local_rank): the ranks of each node and of each local rank
+    across the nodes (each list sorted, as Horovod orders a process set)."""
+    local_sets = [sorted(r for r, (c, _) in enumerate(places) if c == m) for m in range(cross_size)]
+    cross_sets = [sorted(r for r, (_, lr) in enumerate(places) if lr == j) for j in range(local_size)]
+    return local_sets, cross_sets
+
+
+def node_process_sets(size: Optional[int] = None, local_size: Optional[int] = None) -> list:
+    """Process sets to pass to ``hvd.init(process_sets=...)`` for the node-aware exchange, before
+    Horovod is initialised: ranks placed node by node (horovodrun's and mpirun's default), ``size``
+    and ``local_size`` from the launcher's environment unless given. Returns [] on one node."""
+    from horovod.common.process_sets import ProcessSet
+
+    env = os.environ
+    N = size if size is not None else int(env.get("HOROVOD_SIZE") or env.get("OMPI_COMM_WORLD_SIZE") or 1)
+    L = local_size if local_size is not None else int(env.get("HOROVOD_LOCAL_SIZE")
+                                                        or env.get("OMPI_COMM_WORLD_LOCAL_SIZE") or 1)
+    if L <= 1 or N <= L or N % L:
+        return []
+    M = N // L
+    places = [(r // L, r % L) for r in range(N)]
+    local_sets, cross_sets = layout_sets(places, M, L)
+    return [ProcessSet(r) for r in local_sets + cross_sets]
 
 
 def split_sizes(total: int, parts: int) -> List[int]:

@@ -1,0 +1,351 @@
+"""Node-aware (hierarchical) exchange: dense inside a node, compressed across nodes.
+
+The real GradientPipeline runs on simulated worlds laid out on nodes (2 x 2,
+2 x 3): routes chosen by the cost model, results against the flat exchange
+and the exact mean, memory conservation (worker + node + owner memories),
+non-finite skipping, the fallback when process sets are missing; then the
+same code on real Horovod ranks spread over two network namespaces
+(scripts/shaped-cluster, horovodrun --gloo -H node1:2,node2:2)."""
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import hvd_ext
+from hvd_ext.exchange import SimulatedWorld, cost
+from hvd_ext.exchange.harness import run_pipeline
+from hvd_ext.exchange.routes import choose_route
+from hvd_ext.exchange.transport import Topology, layout_sets
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {"w1": (60, 50), "b1": (60,), "w2": (7, 60), "b2": (7,)}
+ORDER = list(reversed(list(SHAPES)))  # one bucket, filled in reverse parameter order
+LAYOUTS = [(4, 2), (6, 3)]           # (N, ranks per node): 2 nodes x 2, 2 nodes x 3
+
+
+def make_grads(size, steps, seed=0, shapes=SHAPES):
+    g = torch.Generator().manual_seed(seed)
+    return [[{k: torch.randn(*s, generator=g) for k, s in shapes.items()} for _ in range(size)]
+            for _ in range(steps)]
+
+
+def mean_of(grads, step, size):
+    return {k: sum(grads[step][r][k] for r in range(size)) / size for k in grads[0][0]}
+
+
+def relerr(a, b):
+    return (sum(float(((a[k] - b[k]) ** 2).sum()) for k in a) / sum(float((b[k] ** 2).sum()) for k in b))
+
+
+def with_key(spec, kv):
+    return spec + ("," if ":" in spec else ":") + kv
+
+
+class _Ex:
+    """Just enough of an Exchange for choose_route: a topology and node groups."""
+
+    def __init__(self, topo, ok=True):
+        self._topo, self._ok = topo, ok
+
+    def topology(self):
+        return self._topo
+
+    def node_exchanges(self):
+        from hvd_ext.exchange import NodeGroupsUnavailable
+
+        if not self._ok:
+            raise NodeGroupsUnavailable("no process sets here")
+        return None, None
+
+
+# ---- the spec key and the choice -------------------------------------------------------------------
+def test_hierarchy_spec_key():
+    c = hvd_ext.compression_from_spec
+    assert c("qsgd:bits=8").hierarchy == "auto"
+    assert c("topk:ratio=0.05,hierarchy=flat").spec() == "topk:ratio=0.05,hierarchy=flat"
+    assert c("none:hierarchy=flat").hierarchy == "flat"
+    with pytest.raises(ValueError, match="hierarchy"):
+        c("qsgd:hierarchy=ring")
+
+
+def test_route_choice_on_nodes():
+    c = hvd_ext.compression_from_spec
+    two_by_two = _Ex(Topology(0, 2, 0, 2))
+    n = 10 ** 6
+    assert choose_route(c("qsgd:bits=8"), "auto", n, 4, exchange=two_by_two).startswith("node:")
+    assert choose_route(c("topk:ratio=0.01"), "auto", n, 4, exchange=two_by_two).startswith("node:")
+    assert choose_route(c("qsgd:bits=8"), "twophase", n, 4, exchange=two_by_two) == "node:twophase"
+    assert choose_route(c("topk:ratio=0.01"), "twophase", n, 4, exchange=two_by_two) == "node:sparse_rs"
+    assert choose_route(c("none"), "auto", n, 4, exchange=two_by_two) == "node:allreduce"
+    # flat: asked for, one node, one rank per node, uneven nodes, codecs/feedbacks it cannot carry
+    assert choose_route(c("qsgd:bits=8,hierarchy=flat"), "auto", n, 4, exchange=two_by_two) == \
+        choose_route(c("qsgd:bits=8"), "auto", n, 4) == "twophase"
+    for topo in (Topology(0, 4, 0, 1), Topology(0, 1, 0, 4), Topology(0, 2, 0, 2, homogeneous=False)):
+        assert not choose_route(c("qsgd:bits=8"), "auto", n, 4, exchange=_Ex(topo)).startswith("node:")
+    assert choose_route(c("powersgd:rank=2"), "auto", n, 4, exchange=two_by_two) == "allreduce"
+    assert not choose_route(c("dgc:ratio=0.01"), "auto", n, 4, exchange=two_by_two).startswith("node:")
+    assert choose_route(c("qsgd:bits=8"), "auto", 1000, 2) == "allgather"  # no exchange given: flat as before
+
+
+def test_cost_model_node_aware_pays_across_a_slow_link():
+    n, C = 10 ** 6, 10 ** 6  # 8-bit codes
+    slow = cost.NodeModel(intra=cost.LinkModel(alpha=5e-6, bandwidth=5e9),
+                          inter=cost.LinkModel(alpha=50e-6, bandwidth=300e6 / 8))
+    for M, L in ((2, 2), (2, 4), (8, 8)):
+        pick = cost.choose_hierarchy(("allgather", "twophase"), ("allgather", "twophase"), n, C, M, L, slow)
+        assert pick["node_aware"] and pick["node_s"] < 0.7 * pick["flat_s"], (M, L, pick)
+    # inter-node bytes per node: L x fewer for two-phase (the 2-D scheme)
+    M, L = 4, 4
+    flat_nic = L * cost.per_rank("twophase", n, C, M * L)["wire"] * (M * L - L) / (M * L - 1)
+    node_nic = L * cost.per_rank("twophase", n // L, C / L, M)["wire"]
+    assert node_nic < flat_nic / (L - 1)
+    # one node: never node-aware
+    assert not cost.choose_hierarchy(("twophase",), ("twophase",), n, C, 1, 4, slow)["node_aware"]
+
+
+def test_layout_sets_any_placement():
+    # node by node, and round robin (mpirun --map-by node)
+    assert layout_sets([(0, 0), (0, 1), (1, 0), (1, 1)], 2, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert layout_sets([(0, 0), (1, 0), (0, 1), (1, 1)], 2, 2) == ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
+
+
+def test_simulated_world_node_groups():
+    def body(rank, t):
+        local, cross = t.node_groups()
+        topo = t.topology()
+        return (topo.local_rank, topo.cross_rank, local.rank(), local.size(), cross.rank(), cross.size())
+
+    out = SimulatedWorld(6, ranks_per_node=3).run(body)
+    assert out == [(r % 3, r // 3, r % 3, 3, r // 3, 2) for r in range(6)]
+
+
+# ---- results: node-aware equals flat within the codec's error ---------------------------------------
+@pytest.mark.parametrize("size,L", LAYOUTS)
+def test_none_is_the_exact_mean(size, L):
+    grads = make_grads(size, 2, seed=size)
+    runs = run_pipeline("none", grads, size, ranks_per_node=L)
+    for run in runs:
+        assert run.routes == ["node:allreduce"]
+        for s in range(2):
+            ref = mean_of(grads, s, size)
+            for k in ref:
+                assert torch.allclose(run.results[s][k], ref[k], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("size,L", LAYOUTS)
+@pytest.mark.parametrize("spec,route,bound", [
+    ("fp16", "node:allreduce", 1e-5),
+    ("qsgd:bits=8", "node:allgather", 0.02),
+    ("qsgd:bits=8,exchange=twophase", "node:twophase", 0.02),
+    ("int8:exchange=twophase", "node:twophase", 1e-3),
+    ("topk:ratio=0.05", "node:allgather", 0.9),
+    ("topk:ratio=0.05,exchange=twophase", "node:sparse_rs", 0.9),
+    ("efsignsgd", "node:allgather", 1.2),
+])
+def test_node_aware_matches_flat_within_codec_error(size, L, spec, route, bound):
+    grads = make_grads(size, 2, seed=10 + size)
+    runs = run_pipeline(spec, grads, size, ranks_per_node=L)
+    flat = run_pipeline(with_key(spec, "hierarchy=flat"), grads, size, ranks_per_node=L)
+    assert not flat[0].routes[0].startswith("node:")
+    ref = mean_of(grads, 0, size)
+    first = runs[0].results
+    for run in runs:
+        assert run.routes == [route]
+        for s in range(2):  # every rank ends with the same bytes
+            assert all(torch.equal(run.results[s][k], first[s][k]) for k in SHAPES)
+    e_node, e_flat = relerr(first[0], ref), relerr(flat[0].results[0], ref)
+    assert e_node < bound and e_flat < bound
+    assert e_node < 1.5 * e_flat + 1e-6, (e_node, e_flat)  # same codec, same error level
+
+
+@pytest.mark.parametrize("size,L", LAYOUTS)
+def test_inter_node_bytes_drop(size, L):
+    """Per rank across nodes: the node-aware two-phase exchange moves ~1/L of the compressed bucket's
+    share the flat one moves off-node, the dense bytes stay inside the node."""
+    shapes = {"w": (128, 128)}
+    grads = make_grads(size, 1, shapes=shapes)
+    node = run_pipeline("qsgd:bits=8,exchange=twophase", grads, size, ranks_per_node=L)[0]
+    flat = run_pipeline("qsgd:bits=8,exchange=twophase,hierarchy=flat", grads, size, ranks_per_node=L)[0]
+    links = node.exchange.stats.wire_by_link
+    flat_off_node = flat.wire[0] * (size - L) / (size - 1)
+    assert links["inter"] < 1.3 * flat_off_node / L, (links, flat.wire)
+    assert links["intra"] >= 2 * (L - 1) / L * 4 * 128 * 128 * 0.99
+
+
+# ---- memory conservation --------------------------------------------------------------------------
+@pytest.mark.parametrize("size,L", LAYOUTS)
+@pytest.mark.parametrize("spec", ["topk:ratio=0.02", "topk:ratio=0.02,exchange=twophase",
+                                  "efsignsgd:exchange=twophase", "efsignsgd"])
+def test_conservation_node_and_owner_memory(size, L, spec):
+    """Sum over steps of every rank's gradient = N x applied results + worker residuals
+    + node memories (shard holders) + owner memories of the inner exchange (nothing lost)."""
+    steps = 4
+    grads = make_grads(size, steps, seed=3)
+    params = {k: torch.rand(*s) + 0.1 for k, s in SHAPES.items()}
+    runs = run_pipeline(spec, grads, size, params=params, ranks_per_node=L)
+    assert runs[0].routes[0].startswith("node:")
+    sizes = [math.prod(SHAPES[k]) for k in ORDER]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    total = sum(sizes)
+    bucket = torch.zeros(total)
+    for run in runs:
+        route = run.pipeline.buckets[0].route
+        me = run.rank % L
+        for key, v in run.pipeline.owner_memory.memory.items():
+            m = re.fullmatch(r"(\w+)@(\d+):node(?:@(\d+):owner)?", key)
+            if m:  # node memory of a shard segment, or the two-phase owner memory of a piece of it
+                a = starts[ORDER.index(m.group(1))] + int(m.group(2)) + int(m.group(3) or 0)
+                bucket[a:a + v.numel()] += v.reshape(-1)
+            elif re.fullmatch(r"b0\.x:owner", key):  # sparse reduce-scatter owner: inner bucket vector
+                off = 0
+                for (i, a, b) in route.segs[me]:
+                    g = starts[i] + a
+                    bucket[g:g + (b - a)] += v[off:off + (b - a)]
+                    off += b - a
+            elif key.endswith(":bounds"):
+                continue
+            else:
+                raise AssertionError(f"unexpected owner-memory key {key}")
+    for k, st, n in zip(ORDER, starts, sizes):
+        total_g = sum(grads[s][r][k] for s in range(steps) for r in range(size)).reshape(-1)
+        applied = sum(runs[0].results[s][k] for s in range(steps)).reshape(-1) * size
+        worker = sum(run.pipeline.feedback.memory.get(k, torch.zeros(1)).reshape(-1) for run in runs)
+        assert torch.allclose(applied + worker + bucket[st:st + n], total_g, atol=2e-3), k
+
+
+# ---- non-finite, checkpoints, fallback --------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05,exchange=twophase", "none", "qsgd:bits=8"])
+def test_nonfinite_on_one_rank_skips_everywhere(spec):
+    size, L = 4, 2
+    grads = make_grads(size, 3, seed=7)
+    grads[1][3]["w1"][0, 0] = float("nan")
+    snap = {}
+
+    def before(rank, step, pipe):
+        if step == 1:
+            snap[rank] = {k: v.clone() for k, v in pipe.owner_memory.memory.items()}
+        if step == 2:
+            ow = snap[rank]
+            assert ow.keys() == pipe.owner_memory.memory.keys()
+            assert all(torch.equal(ow[k], pipe.owner_memory.memory[k]) for k in ow)
+
+    runs = run_pipeline(spec, grads, size, before_step=before, ranks_per_node=L)
+    assert runs[0].routes[0].startswith("node:")
+    assert [r.skipped for r in runs] == [[False, True, False]] * size
+
+
+def test_node_memory_survives_a_checkpoint():
+    size, L, spec = 4, 2, "topk:ratio=0.05"
+    grads = make_grads(size, 4, seed=11)
+    full = run_pipeline(spec, grads, size, ranks_per_node=L)
+    saved = {}
+
+    def save(rank, step, pipe):
+        if step == 2:
+            saved[rank] = pipe.state_dict()
+
+    run_pipeline(spec, grads[:3], size, before_step=save, ranks_per_node=L)
+
+    def load(rank, step, pipe):
+        if step == 0:
+            pipe.load_state_dict(saved[rank])
+
+    resumed = run_pipeline(spec, grads[2:], size, before_step=load, ranks_per_node=L)
+    for r in range(size):
+        for k in SHAPES:
+            assert torch.equal(resumed[r].results[1][k], full[r].results[3][k])
+    assert any(k.endswith(":node") for k in saved[0]["owner"])
+
+
+def test_no_process_sets_one_warning_and_flat():
+    from hvd_ext.exchange import routes
+
+    routes._warned.clear()
+    grads = make_grads(4, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runs = run_pipeline("qsgd:bits=8", grads, 4, ranks_per_node=2, process_sets=False)
+    assert all(r.routes == ["allgather"] for r in runs)
+    msgs = [str(w.message) for w in caught if "node-aware" in str(w.message)]
+    assert len(msgs) == 1 and "process sets" in msgs[0], msgs
+
+
+# ---- real Horovod ranks on two nodes (network namespaces) ------------------------------------------
+def _why_no_testbed():
+    if os.geteuid() != 0:
+        return "not root: the multi-node testbed needs network namespaces (CAP_NET_ADMIN)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' (iproute2) not installed: no multi-node testbed"
+    if shutil.which("horovodrun", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")) \
+            is None:
+        return "horovodrun not on PATH (source scripts/env.sh)"
+    return None
+
+
+WHY_NOT = _why_no_testbed()
+
+
+def _testbed(mode, timeout=280):
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    worker = ROOT / "tests" / "workers" / "hierarchy_exchange.py"
+    cmd = [str(ROOT / "scripts" / "shaped-cluster"), "--nodes", "2", "--ranks-per-node", "2", "--inter", "300mbit",
+           "--name", "hiertest", "--", "bash", "-c",
+           f"timeout {timeout - 40} horovodrun -np $SHAPED_CLUSTER_NP -H $SHAPED_CLUSTER_HOSTS --gloo "
+           f"--disable-cache --start-timeout 120 {sys.executable} {worker} {mode}"]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGTERM)  # shaped-cluster removes its namespaces
+        out, err = p.communicate(timeout=30)
+        pytest.fail(f"testbed run timed out after {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
+    assert p.returncode == 0, out[-4000:] + err[-4000:]
+    res, dec, i = [], json.JSONDecoder(), out.find("RESULT {")
+    while i >= 0:
+        obj, end = dec.raw_decode(out, i + 7)
+        res.append(obj)
+        i = out.find("RESULT {", end)
+    res.sort(key=lambda r: r["rank"])
+    assert len(res) == 4, out[-4000:]
+    return res
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_testbed_2x2_dynamic_process_sets():
+    """horovodrun --gloo -H node1:2,node2:2 with hvd.init(process_sets="dynamic"): node-aware routes,
+    bit for bit the simulated 2 x 2 world's results, every rank the same parameters, error as flat."""
+    res = _testbed("dynamic")
+    assert [(r["local_rank"], r["cross_rank"]) for r in res] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    expect = {"none": "node:allreduce", "qsgd:bits=8": "node:allgather", "topk:ratio=0.02": "node:allgather",
+              "qsgd:bits=8,exchange=twophase": "node:twophase", "topk:ratio=0.02,exchange=twophase": "node:sparse_rs"}
+    for r in res:
+        assert r["warnings"] == []
+        for spec, route in expect.items():
+            x = r[spec]
+            assert x["routes"] == [route] == x["sim_routes"], spec
+            assert x["bitwise"], (spec, x["max_diff"])
+            assert x["spread"] == 0.0, spec
+            assert x["err_node"] < 1.5 * x["err_flat"] + 1e-6, (spec, x)
+            assert x["wire_by_link"]["inter"] < x["wire_by_link"]["intra"], spec
+        assert r["none"]["err_node"] < 1e-10
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_testbed_2x2_declared_process_sets():
+    """hvd.init(process_sets=hvd_ext.exchange.node_process_sets()): the declared sets are used."""
+    for r in _testbed("declared"):
+        assert r["warnings"] == []
+        assert r["qsgd:bits=8"]["routes"] == ["node:allgather"] and r["qsgd:bits=8"]["bitwise"]
