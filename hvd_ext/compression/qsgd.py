@@ -28,9 +28,45 @@ import torch
 
 from .. import kernels as _K
 from ..options import Option, non_negative
-from . import _quant
+from . import _fast, _quant
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
+
+
+def _encode(v, key, codes_out, n: int, *, s: int, l2: bool):
+    """(k, c) padded float32 buckets -> k norms; writes the n one-byte codes (level + s) to
+    ``codes_out``: one fused pass of scaling, counter-hash dither and stochastic rounding."""
+    norms = v.norm(dim=1, keepdim=True) if l2 else v.abs().amax(dim=1, keepdim=True)
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    r = v.abs() / safe * s
+    lo = r.floor()
+    u = _fast.uniform(v.numel(), key, v.device).view(v.shape)
+    lvl = (lo + (u < r - lo).to(torch.float32)).clamp(max=s)
+    signed = torch.where(v < 0, -lvl, lvl) + s
+    codes_out.copy_(signed.reshape(-1)[:n].to(torch.uint8))
+    return norms.reshape(-1)
+
+
+def _dequantize(norms, codes, n: int, c: int, s: int):
+    """one-byte codes (level + s) of n elements in buckets of c -> float32 values norm * level / s."""
+    k = norms.numel()
+    x = codes[:n].to(torch.float32) - s
+    if k * c != n:
+        x = torch.nn.functional.pad(x, (0, k * c - n))
+    return (x.view(k, c) * (norms / s).view(k, 1)).reshape(-1)[:n]
+
+
+def _decode_sum(out, norms_list, codes_list, n: int, c: int, *, s: int):
+    """out = sum over ranks of the dequantized codes (one fused pass, one write of the result)."""
+    acc = None
+    for norms, codes in zip(norms_list, codes_list):
+        x = _dequantize(norms, codes, n, c, s)
+        acc = x if acc is None else acc + x
+    out.copy_(acc)
+
+
+_ENCODE = _fast.Kernel(_encode, "qsgd encode")
+_DECODE_SUM = _fast.Kernel(_decode_sum, "qsgd decode")
 
 
 @register("qsgd")
@@ -68,35 +104,46 @@ class QSGDCompressor(Compressor):
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device), None
         v = _quant.padded_view(flat, self.bucket)
-        if self.norm == "l2":
-            norms = v.norm(dim=1, keepdim=True)
-        else:
-            norms = v.abs().amax(dim=1, keepdim=True)
-        safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-        r = (v.abs() / safe * self.s).reshape(-1)[:n]
         if _K.backend(flat) == "cuda":
+            if self.norm == "l2":
+                norms = v.norm(dim=1, keepdim=True)
+            else:
+                norms = v.abs().amax(dim=1, keepdim=True)
+            safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+            r = (v.abs() / safe * self.s).reshape(-1)[:n]
             levels = torch.arange(-self.s, self.s + 1, dtype=torch.float32, device=flat.device)
             packed = _K.quantize_pack(torch.where(flat < 0, -r, r), levels, 1.0, self.b,
                                       seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
             return as_bytes(norms.reshape(-1).contiguous(), packed), None
-        g = _quant.generator(self.seed, info.step, info.name, info.rank, flat.device)
-        lo = r.floor()
-        lvl = lo + (_quant.uniform(n, g, flat.device) < (r - lo)).float()
-        lvl = lvl.clamp_(max=self.s)
-        signed = torch.where(flat < 0, -lvl, lvl) + self.s
-        codes = signed.to(torch.uint8)
-        return as_bytes(norms.reshape(-1).contiguous(), _K.pack_bits(codes, self.b)), None
+        key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, flat.device)
+        buf = _fast.codes_buffer("qsgd", n, flat.device)
+        norms = _ENCODE(n, flat.device, v, key, buf[:n], n, s=self.s, l2=self.norm == "l2")
+        return as_bytes(norms, _fast.pack_buffer(buf, n, self.b)), None
+
+    def _split(self, data, n):
+        norms, off = from_bytes(data, 0, torch.float32, _quant.chunks(n, self.bucket))
+        return norms, data[off:]
 
     def decode(self, data, ctx, info):
+        return self.aggregate([data], ctx, info)
+
+    def aggregate(self, datas, ctx, info):
         n = info.numel
+        dev = datas[0].device if datas else None
         if n == 0:
-            return torch.zeros(0, device=data.device)
-        k = _quant.chunks(n, self.bucket)
-        norms, off = from_bytes(data, 0, torch.float32, k)
-        codes = _K.unpack_bits(data[off:], self.b, n).float() - self.s
+            return torch.zeros(0, device=dev)
+        parts = [self._split(d, n) for d in datas]
         c = self.bucket if self.bucket > 0 else n
-        scale = norms.repeat_interleave(c)[:n] if k > 1 else norms.expand(n)
-        return codes * (scale / self.s)
+        if _K.backend(*datas) == "cuda":
+            out = None
+            for norms, codes in parts:
+                dense = _dequantize(norms, _K.unpack_bits(codes, self.b, n), n, c, self.s)
+                out = dense if out is None else out.add_(dense)
+            return out
+        codes = [_fast.unpack_to_buffer(d, self.b, n, f"qsgd/{r}") for r, (_, d) in enumerate(parts)]
+        out = _fast.empty(n, device=dev)
+        _DECODE_SUM(n, dev, out, [p[0] for p in parts], codes, n, c, s=self.s)
+        return out
 
     def wire_bytes(self, numel):
         return 4 * _quant.chunks(numel, self.bucket) + packed_bytes(numel, self.b)

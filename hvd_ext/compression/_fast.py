@@ -1,0 +1,322 @@
+"""Fast CPU paths of the codecs (not a compressor itself).
+
+Three tools keep the CPU codecs near memory bandwidth:
+
+* **Fused kernels.** Each codec writes its hot loop (quantize + pack, unpack +
+  dequantize + sum over ranks) as one pure torch function of whole tensors, no
+  Python loop over elements or chunks. :class:`Kernel` runs it compiled by
+  ``torch.compile`` (inductor's C++/OpenMP code generation on CPU, one
+  vectorised loop instead of one pass and one temporary per operator) for large
+  CPU tensors, and eagerly otherwise. A compiler failure is caught once,
+  remembered, reported with a warning, and the eager function runs from then
+  on: results are the same either way (same integer hash, same formula; float
+  sums may differ in the last bit from a different summation order).
+
+  ``HVD_EXT_COMPILE``: ``auto`` (default) compiles for CPU tensors of at least
+  ``HVD_EXT_COMPILE_MIN`` elements (default 2^20, so unit tests on small
+  tensors never wait for a compiler), ``1``/``on`` for every CPU tensor,
+  ``0``/``off`` never. Each kernel is compiled once per (configuration, tensor
+  shape) with static shapes; the first call of a specialisation takes seconds
+  (tens of seconds for the first one of a process when inductor's on-disk cache
+  is cold), later calls reuse it.
+
+* **Counter-based random numbers** for stochastic rounding
+  (:func:`uniform`): element i of a stream gets ``hash(key ^ i)``, the 32-bit
+  integer finaliser "lowbias32" (C. Wellons, "Prospecting for hash functions",
+  2018) -- the same hash as ``hvd_ext.kernels.hash_u32`` and the CUDA kernels --
+  with the top 24 bits as ``u = h / 2^24`` in [0, 1). Stateless: a rank's
+  rounding is a function of (seed, tensor name, rank, step, i), so checkpoints
+  resume exactly and compiled and eager paths agree bit for bit. No generator
+  state, no float64, about 10 integer operations per element fused into the
+  quantizer. Rounding ``x`` up with probability ``p`` when ``u < p`` is unbiased
+  up to 2^-24 (u takes 2^24 equally likely values), below float32's own rounding
+  of p; tests check the unbiasedness statistically.
+
+* **Reused scratch buffers** (:func:`scratch`), keyed by (purpose, shape, dtype):
+  for large temporaries that would otherwise be freshly mapped (and page-faulted)
+  every step. Outputs handed to the caller are always fresh tensors.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import warnings
+from typing import Callable, Dict, Tuple
+
+import torch
+
+from .. import kernels as _K
+
+__all__ = ["Kernel", "compile_enabled", "uniform", "hash32", "stream_key_tensor", "codes_buffer",
+           "pack_buffer", "unpack_to_buffer", "squeeze_words", "expand_words", "scratch", "empty"]
+
+_SETTING = os.environ.get("HVD_EXT_COMPILE", "auto").strip().lower()
+MIN_NUMEL = int(os.environ.get("HVD_EXT_COMPILE_MIN", str(1 << 20)))
+_lock = threading.Lock()
+
+
+def compile_enabled(numel: int, device=None) -> bool:
+    """Whether a kernel call on ``numel`` elements of ``device`` runs compiled (see the module docstring)."""
+    if device is not None and torch.device(device).type != "cpu":
+        return False
+    if _SETTING in ("0", "off", "false", "no", "eager"):
+        return False
+    if _SETTING in ("1", "on", "true", "yes", "always"):
+        return True
+    return numel >= MIN_NUMEL
+
+
+MAX_SPECIALISATIONS = 64  # per kernel; beyond that, new shapes run eagerly
+
+
+def _shape_key(args) -> Tuple:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append((tuple(a.shape), a.dtype))
+        elif isinstance(a, (list, tuple)):
+            out.append(_shape_key(a))
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+class Kernel:
+    """A pure torch function run compiled for large CPU tensors, eagerly otherwise.
+
+    ``kernel(numel, device, *args, **static)``: keyword arguments are static configuration
+    (bits, levels, ...). Each distinct (configuration, argument shapes, integer arguments) is
+    compiled once with static shapes, as its own code object (so dynamo's per-function
+    recompilation limit never applies and every specialisation gets fully vectorised loops
+    without symbolic index arithmetic); a model has few distinct large tensor shapes. Beyond
+    ``MAX_SPECIALISATIONS`` new shapes run eagerly. A failure to compile or to run compiled is
+    caught once, remembered (``self.failed``) and warned about, and the eager function is used
+    from then on."""
+
+    def __init__(self, fn: Callable, name: str = ""):
+        self.fn = fn
+        self.name = name or fn.__name__
+        self._compiled: Dict[Tuple, Callable] = {}
+        self.failed = None
+
+    def _get(self, args, static: Dict):
+        key = (tuple(sorted(static.items())), _shape_key(args))
+        f = self._compiled.get(key)
+        if f is None:
+            if len(self._compiled) >= MAX_SPECIALISATIONS:
+                return None
+            with _lock:
+                f = self._compiled.get(key)
+                if f is None:
+                    # a fresh code object per specialisation: dynamo caches (and limits recompiles)
+                    # per code object, and treats the captured configuration as constants
+                    ns = {"fn": self.fn, "static": static}
+                    exec(f"def _hvd_kernel_{len(self._compiled)}(*args):\n    return fn(*args, **static)\n", ns)
+                    f = torch.compile(ns[f"_hvd_kernel_{len(self._compiled)}"], dynamic=False)
+                    self._compiled[key] = f
+        return f
+
+    def __call__(self, numel: int, device, *args, **static):
+        if self.failed is None and compile_enabled(numel, device):
+            try:
+                f = self._get(args, static)
+                if f is not None:
+                    return f(*args)
+            except Exception as e:  # no C++ compiler, unsupported op, ...: eager from now on
+                self.failed = f"{type(e).__name__}: {e}"
+                warnings.warn(f"hvd_ext: torch.compile of the {self.name} codec kernel failed, running it "
+                              f"eagerly from now on ({self.failed.splitlines()[0][:200]})", RuntimeWarning,
+                              stacklevel=2)
+        return self.fn(*args, **static)
+
+
+# ---- counter-based uniform numbers ---------------------------------------------------------
+
+_C1 = 0x7FEB352D
+_C2 = 0x846CA68B - (1 << 32)  # as a signed int32
+
+
+def _i32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= (1 << 31) else v
+
+
+def stream_key_tensor(seed: int, name: str, rank: int, step: int, device=None) -> torch.Tensor:
+    """0-d int32 key of the stream of (seed, name, rank, step): ``kernels.stream_key(derive_seed(...), step)``,
+    as the CUDA quantizers use."""
+    key = _K.stream_key(_K.derive_seed(seed, name, rank), step)
+    return torch.tensor(_i32(key), dtype=torch.int32, device=device)
+
+
+def hash32(i: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """lowbias32(i ^ key) on int32 tensors (wrapping multiply; logical shifts by masking)."""
+    h = i ^ key
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * _C1
+    h = h ^ ((h >> 15) & 0x1FFFF)
+    h = h * _C2
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def uniform(numel: int, key: torch.Tensor, device=None) -> torch.Tensor:
+    """float32 uniform numbers in [0, 1) with 24 random bits: element i is ``hash32(i, key) >> 8`` / 2^24
+    (equal to ``kernels.uniform(key, arange(numel))``)."""
+    i = torch.arange(numel, dtype=torch.int32, device=device)
+    return ((hash32(i, key) >> 8) & 0xFFFFFF).to(torch.float32) * (2.0 ** -24)
+
+
+# ---- bit packing: eight codes per 64-bit word ----------------------------------------------------
+#
+# Codes are first written one per byte (uint8, padded with zeros to a multiple of 8), so that the
+# int64 view holds the 8 codes of a group, code t in byte t. Squeezing the low ``bits`` bits of
+# those bytes together (three shift-or-mask steps: pairs, quads, octets) gives the group's
+# ``8 * bits``-bit field c_0 | c_1 << bits | ... | c_7 << 7 bits, whose low ``bits`` bytes are
+# exactly the group's bytes under the bit order contract of ``bitpack``. Unpacking runs the steps
+# backwards. Every load and store is contiguous, so the loops vectorise (no per-element division,
+# no gather); the eager fallback runs the same few whole-tensor operations.
+
+def _masks(bits: int):
+    """(low ``bits`` of each byte, of each 16-bit lane; low 2*bits of each 32-bit lane; low 4*bits)."""
+    return (0x0101010101010101 * ((1 << bits) - 1), 0x0001000100010001 * ((1 << bits) - 1),
+            0x0000000100000001 * ((1 << 2 * bits) - 1), (1 << 4 * bits) - 1)
+
+
+def squeeze_words(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 words of 8 one-byte codes -> int64 words holding the 8*bits-bit packed group (bits < 8)."""
+    m0, a, b, c = _masks(bits)
+    w = w & m0
+    w = (w & a) | (((w >> 8) & a) << bits)
+    w = (w & b) | (((w >> 16) & b) << 2 * bits)
+    return (w & c) | (((w >> 32) & c) << 4 * bits)
+
+
+def expand_words(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`squeeze_words`: int64 packed groups -> int64 words of 8 one-byte codes."""
+    m0, a, b, c = _masks(bits)
+    v = (v & c) | (((v >> 4 * bits) & c) << 32)
+    v = (v & b) | (((v >> 2 * bits) & b) << 16)
+    return (v & a) | (((v >> bits) & a) << 8)
+
+
+_WORD_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _pack_words(w: torch.Tensor, bits: int) -> torch.Tensor:
+    v = squeeze_words(w, bits)
+    return v.to(_WORD_DTYPE[bits]) if bits in _WORD_DTYPE else v
+
+
+def _unpack_words(d: torch.Tensor, bits: int) -> torch.Tensor:
+    return expand_words(d.to(torch.int64) & ((1 << 8 * bits) - 1), bits)
+
+
+_PACK = None
+_UNPACK = None
+
+
+def codes_buffer(purpose: str, n: int, device) -> torch.Tensor:
+    """A reused uint8 buffer for n one-byte codes, padded with zeros to a multiple of 8 (write the
+    codes into ``buf[:n]``)."""
+    g = (n + 7) // 8
+    buf = scratch(purpose, 8 * g, torch.uint8, device)
+    if 8 * g > n:
+        buf[n:].zero_()
+    return buf
+
+
+def pack_buffer(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """Pack the first n one-byte codes of ``buf`` (from :func:`codes_buffer`) into ceil(n*bits/8) bytes
+    (bit order contract of ``bitpack``). Returns a fresh uint8 tensor."""
+    nbytes = (n * bits + 7) // 8
+    if bits == 8:
+        return buf[:n].clone()
+    w = buf.view(torch.int64)
+    v = _PACK(w.numel(), buf.device, w, bits=bits)
+    if bits in _WORD_DTYPE:
+        return v.view(torch.uint8)[:nbytes]
+    return v.view(torch.uint8).view(-1, 8)[:, :bits].reshape(-1)[:nbytes]
+
+
+def unpack_to_buffer(data: torch.Tensor, bits: int, n: int, purpose: str) -> torch.Tensor:
+    """The n one-byte codes of a packed stream (bit order contract), in a reused uint8 buffer
+    (valid until the next call with the same ``purpose``)."""
+    g = (n + 7) // 8
+    if bits == 8:
+        return data[:n]
+    nbytes = (n * bits + 7) // 8
+    d = data[:nbytes]
+    out = scratch(purpose, 8 * g, torch.uint8, data.device)
+    if bits in _WORD_DTYPE:
+        width = bits  # bytes per group
+        if nbytes != g * width or d.storage_offset() % width:
+            pad = scratch(purpose + "/in", g * width, torch.uint8, data.device)
+            pad[nbytes:].zero_()
+            pad[:nbytes].copy_(d)
+            d = pad
+        words = d.view(_WORD_DTYPE[bits])
+    else:
+        pad = scratch(purpose + "/in", 8 * g, torch.uint8, data.device)
+        pad[nbytes:].zero_()  # bytes past the stream, then each group's bytes moved to an 8-byte slot
+        pad[:nbytes].copy_(d)
+        grid = scratch(purpose + "/grid", 8 * g, torch.uint8, data.device).view(g, 8)
+        grid[:, bits:].zero_()
+        grid[:, :bits].copy_(pad[:g * bits].view(g, bits))
+        pad = grid
+        words = pad.view(torch.int64).view(-1)
+    out.view(torch.int64).copy_(_UNPACK(n, data.device, words, bits=bits))
+    return out[:n]
+
+
+# ---- scratch buffers --------------------------------------------------------------------------
+
+_SCRATCH: Dict[Tuple, torch.Tensor] = {}
+
+
+def scratch(purpose: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A reused 1-D buffer of ``numel`` elements for a temporary (contents undefined). One buffer per
+    (purpose, dtype, device, thread); grown when a larger one is asked for."""
+    key = (purpose, dtype, str(device), threading.get_ident())
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _SCRATCH[key] = buf
+    return buf[:numel]
+
+
+_PACK = Kernel(_pack_words, "bit packing")
+_UNPACK = Kernel(_unpack_words, "bit unpacking")
+
+
+def empty(numel: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    """``torch.empty`` for a dense result; on Linux a large CPU buffer is advised to use transparent
+    huge pages (madvise MADV_HUGEPAGE, what torch's own THP_MEM_ALLOC_ENABLE does), which makes first
+    touching it several times cheaper than 4 KiB page faults. Advisory only: errors are ignored."""
+    t = torch.empty(numel, dtype=dtype, device=device)
+    if t.device.type == "cpu" and numel * t.element_size() >= (8 << 20) and _madvise is not None:
+        H = 2 << 20
+        p = t.data_ptr()
+        a, e = (p + H - 1) & ~(H - 1), (p + numel * t.element_size()) & ~(H - 1)
+        if e > a:
+            try:
+                _madvise(a, e - a, 14)  # MADV_HUGEPAGE
+            except Exception:
+                pass
+    return t
+
+
+def _load_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        f = libc.madvise
+        f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        f.restype = ctypes.c_int
+        return f
+    except Exception:
+        return None
+
+
+_madvise = _load_madvise()
