@@ -105,8 +105,8 @@ class GradientPipeline:
         return make_route(kind, comp, self.exchange, f"b{b.index}", self.owner_memory)
 
     def set_bucket_compressor(self, b: _Bucket, comp: Compressor) -> None:
-        """Switch bucket ``b`` to codec ``comp`` between steps (``compression="auto"``). The shared
-        error-feedback memory carries over: the new codec's next input includes what the old one left."""
+        """Switch bucket ``b`` to codec ``comp`` between steps (``compression="auto"``); what the old
+        codec left in the error-feedback memory is carried over (see ``AutoTuner.release``)."""
         if b.started or b.ready:
             raise RuntimeError("hvd_ext: a bucket's codec can change only between steps")
         b.comp = comp
@@ -159,6 +159,8 @@ class GradientPipeline:
                 g = g.to_dense()
             info = TensorInfo(name=name, shape=g.shape, step=self.step, rank=self.rank, size=self.size,
                               param=p.detach(), scale=scale)
+            if self.auto is not None:
+                g = self.auto.release(name, g)  # a share of what an earlier codec left (see AutoTuner)
             u = fb.compensate(name, g if dense_codec else g.float(), info)
             if local_flag:
                 flags.append(torch.isfinite(u).all())
@@ -215,10 +217,14 @@ class GradientPipeline:
             fb.discard()
             comp.discard()
             self.owner_memory.discard()
+            if self.auto is not None:
+                self.auto.discard()
         else:
             fb.commit()
             comp.commit()
             self.owner_memory.commit()
+            if self.auto is not None:
+                self.auto.commit()
         self.step += 1
         if self.auto is not None:
             self.auto.exchange_time(time.perf_counter() - t_start + self._step_code_s)
