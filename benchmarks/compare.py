@@ -190,6 +190,17 @@ def launcher_prefix(a, kind: str):
             "-x", "BENCH_EXTRA_ARGS", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"]
 
 
+# Bytes through node1's inter-node interface during the job (the testbed runs CMD inside node1's namespace).
+NIC_WRAP = ('s=/sys/class/net/eth0/statistics; read t0 < $s/tx_bytes; read r0 < $s/rx_bytes; "$@"; rc=$?; '
+            'read t1 < $s/tx_bytes; read r1 < $s/rx_bytes; echo "NODE1_ETH0_BYTES tx=$((t1-t0)) rx=$((r1-r0))"; exit $rc')
+
+
+def nic_bytes(log_text: str):
+    """(tx, rx) bytes node1's eth0 carried during the job, from the NIC_WRAP line, or None."""
+    m = re.search(r"NODE1_ETH0_BYTES tx=(\d+) rx=(\d+)", log_text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def testbed_prefix(a):
     if not a.nodes:
         return common.shaped_prefix(a.rate, a.latency, a.burst)
@@ -197,7 +208,7 @@ def testbed_prefix(a):
            "--inter", str(a.rate), "--latency", a.latency, "--burst", a.burst]
     if a.intra:
         cmd += ["--intra", str(a.intra)]
-    return cmd + ["--"]
+    return cmd + ["--", "bash", "-c", NIC_WRAP, "bash"]
 
 
 def predicted_routes(method: str, a):
@@ -441,6 +452,11 @@ def run(a):
             if res["rc"] == 0 and p["json"].exists():
                 e["status"] = "ok"
                 e["result"] = json.loads(p["json"].read_text())
+                if a.nodes:
+                    nb = nic_bytes((workdir / f"{common.slug(p['method'])}.log").read_text(errors="replace"))
+                    if nb is not None:
+                        e["node1_nic_bytes"] = {"tx": nb[0], "rx": nb[1],
+                                                "per_step": (nb[0] + nb[1]) / max(e["result"]["steps"], 1)}
                 for r_ in range(a.ranks):
                     Path(f"{p['steps_log']}.rank{r_}").unlink(missing_ok=True)
                 summarize(e, a)
@@ -544,9 +560,10 @@ def node_summary(doc):
     ref = ok.get(REFERENCE)
     lines = ["", "Routes (per bucket) and node-aware step time against the same spec with `hierarchy=flat` "
              "and against plain Horovod, measured in this run:", "",
-             "| method | routes | ms/step | vs hierarchy=flat | vs plain Horovod |", "|---|---|---|---|---|"]
+             "| method | routes | ms/step | vs hierarchy=flat | vs plain Horovod | node1 NIC bytes/step (tx+rx) |",
+             "|---|---|---|---|---|---|"]
     for e in doc["methods"]:
-        if e["status"] != "ok" or e["method"].startswith(("horovod", "ddp")):
+        if e["status"] != "ok" or e["method"].startswith("ddp"):
             continue
         r = e["result"]
         twin = None
@@ -555,14 +572,19 @@ def node_summary(doc):
                 twin = fe
         vs_flat = fmt(r["ms_per_step"] / twin["result"]["ms_per_step"], ".2f", "x") if twin else "-"
         vs_hvd = fmt(r["ms_per_step"] / ref["result"]["ms_per_step"], ".2f", "x") if ref else "-"
-        lines.append(f"| `{e['method']}` | {', '.join(e.get('routes') or ['?'])} | {r['ms_per_step']:.2f} | "
-                     f"{vs_flat} | {vs_hvd} |")
+        nic = e.get("node1_nic_bytes")
+        routes = ", ".join(e.get("routes") or (["Horovod allreduce"] if e["method"].startswith("horovod") else ["?"]))
+        lines.append(f"| `{e['method']}` | {routes} | {r['ms_per_step']:.2f} | {vs_flat} | {vs_hvd} | "
+                     f"{fmt_bytes(nic['per_step']) if nic else '-'} |")
     hier = ok.get("horovod:hier")
     if hier and ref:
         lines += ["", f"`horovod:hier` (HOROVOD_HIERARCHICAL_ALLREDUCE=1): {hier['result']['ms_per_step']:.2f} ms/step, "
-                  f"{hier['result']['ms_per_step'] / ref['result']['ms_per_step']:.2f}x plain Horovod; this Horovod "
-                  "build is CPU-only and implements the hierarchical allreduce only over NCCL, so the variable "
-                  "leaves the Gloo ring allreduce unchanged."]
+                  f"{hier['result']['ms_per_step'] / ref['result']['ms_per_step']:.2f}x plain Horovod; this CPU-only "
+                  "Horovod build has no hierarchical allreduce operation (Horovod implements it over NCCL; on CPU "
+                  "only MPI's hierarchical allgather exists), so the variable does not make the Gloo allreduce "
+                  "hierarchical: the difference is run-to-run variation."]
+    lines += ["", "node1 NIC bytes/step: bytes through node 1's inter-node interface during the whole job "
+              "(start-up, broadcast and evaluation included) divided by the training steps."]
     return lines
 
 

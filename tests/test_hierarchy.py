@@ -349,3 +349,24 @@ def test_testbed_2x2_declared_process_sets():
     for r in _testbed("declared"):
         assert r["warnings"] == []
         assert r["qsgd:bits=8"]["routes"] == ["node:allgather"] and r["qsgd:bits=8"]["bitwise"]
+
+
+def test_compare_nodes_plans():
+    """compare.py --nodes 2 --ranks-per-node 2: multi-host launch lines on the testbed, dynamic process
+    sets for every job, Horovod's hierarchical allreduce variable for horovod:hier, flat/node-aware pairs."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import compare
+
+    a = compare.parse_args(["--nodes", "2", "--ranks-per-node", "2", "--rate", "300mbit", "--epochs", "1"])
+    methods = compare.method_list(a)
+    assert methods == ["horovod", "horovod:hier", "qsgd:bits=8,hierarchy=flat", "qsgd:bits=8",
+                       "topk:ratio=0.01,hierarchy=flat", "topk:ratio=0.01"]
+    assert a.ranks == 4
+    plans = {m: compare.plan(m, a, Path("/tmp")) for m in ["horovod", "horovod:hier", "qsgd:bits=8"]}
+    for p in plans.values():
+        assert p["cmd"][:6] == ["horovodrun", "-np", "4", "-H", "node1:2,node2:2", "--gloo"]
+        assert p["env"]["HOROVOD_DYNAMIC_PROCESS_SETS"] == "1"
+    assert plans["horovod:hier"]["env"]["HOROVOD_HIERARCHICAL_ALLREDUCE"] == "1"
+    assert "HOROVOD_HIERARCHICAL_ALLREDUCE" not in plans["horovod"]["env"]
+    assert plans["qsgd:bits=8"]["routes"] == ["node:allgather"]
+    assert compare.testbed_prefix(a)[1:7] == ["--nodes", "2", "--ranks-per-node", "2", "--inter", "300mbit"]
