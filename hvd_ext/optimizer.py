@@ -11,9 +11,28 @@ Additions: ``compression`` also takes spec strings and hvd_ext compressors,
 ``bucket_bytes`` sizes the fused collectives, ``stats`` counts bytes and
 waiting, a step whose gradient is non-finite on any rank is skipped on every
 rank, and ``state_dict()`` carries the feedback memory.
+
+Horovod elastic (``hvd.elastic.run`` with ``hvd.elastic.TorchState(model=...,
+optimizer=...)``): under ``horovodrun --min-np/--max-np`` (``HOROVOD_ELASTIC=1``)
+the optimizer makes no collective at construction -- a worker that joins a
+running job constructs it while the others are resynchronising -- and runs
+the configuration check and the state agreement at the first exchange
+instead. Before the first exchange after each re-initialisation of Horovod
+(detected automatically; ``reset_world()`` forces it) every rank rebuilds
+the world-dependent parts in the same way: the gradient pipeline's buckets
+and routes for the new size, the owner-side memories of the two-phase and
+sparse reduce-scatter routes (dropped: the shard layout belongs to the old
+world), the sparse-gradient agreement; then checks the configuration again
+and agrees on the step counter, compressor state and rank-shared feedback
+state (a newly joined worker takes the most advanced rank's). Worker
+residuals are per rank and stay: a surviving worker keeps its own, a newly
+joined worker starts from zero; ``TorchState``'s commit/restore carries them
+(``state_dict()``), so after a failed step every survivor is back at its
+last committed memory.
 """
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from contextlib import contextmanager
@@ -133,7 +152,8 @@ def fingerprint_mismatch(fingerprints: List[Dict[str, Any]], what: str = "hvd_ex
                 y = b[i] if i < len(b) else "(none)"
                 detail += f"first difference at entry {i}: rank 0 has {_short(x)}, rank {r} has {_short(y)}"
             return (f"{what}: ranks are configured differently ({key}: {detail}); every rank must pass "
-                    f"the same configuration (checked once, at construction)")
+                    f"the same configuration (checked once, at construction; under Horovod elastic at the "
+                    f"first exchange after each reset)")
     extra = sorted({k for fp in fingerprints for k in fp} - set(ref))
     if extra:
         return f"{what}: ranks are configured differently (keys {extra} set on some ranks only)"
@@ -151,6 +171,24 @@ def _in_state_broadcast() -> bool:
             return True
         f = f.f_back
     return False
+
+
+def horovod_elastic() -> bool:
+    """True when this process runs under an elastic ``horovodrun`` (``--min-np``/``--max-np``,
+    host discovery): workers may join later, so no collective may run at construction."""
+    return os.environ.get("HOROVOD_ELASTIC", "0").strip() not in ("", "0")
+
+
+def world_of(exchange) -> tuple:
+    """What identifies the Horovod world this rank is in: (initialisation, size, rank). The first
+    item is the table of pending handles that ``horovod.torch`` replaces on every ``hvd.init()``
+    (so a re-initialisation with an unchanged size is seen too); compare with :func:`same_world`."""
+    mpi_ops = sys.modules.get("horovod.torch.mpi_ops")
+    return (getattr(mpi_ops, "_handle_map", None), exchange.size, exchange.rank)
+
+
+def same_world(a: Optional[tuple], b: Optional[tuple]) -> bool:
+    return a is not None and b is not None and a[0] is b[0] and a[1:] == b[1:]
 
 
 def _grads_finite(params) -> bool:
@@ -211,6 +249,14 @@ class _DistributedMixin:
         else:
             self._pipeline = _LocalOnly()
         self._state_agreed = not included
+        # Collectives every rank makes at the same point: the configuration check (at construction,
+        # or under Horovod elastic before the first exchange) and the state agreement (before the
+        # first exchange). Under elastic both are repeated after each change of world.
+        self._elastic = included and horovod_elastic()
+        self._world = world_of(self._exchange) if included else None
+        self._config_pending = False
+        self._config_args = (op, gradient_predivide_factor, bucket_bytes, bool(sparse_as_dense))
+        self.world_changes = 0
         # Sparse gradients (Horovod's sparse allgather path unless sparse_as_dense): which parameters
         # are sparse is learnt at the first exchange and agreed once; they then leave the pipeline.
         self._trainable, self._bucket_bytes = trainable, bucket_bytes
@@ -232,18 +278,71 @@ class _DistributedMixin:
         self.stats = CommStats(log_path)
         self._last_counts = (0, 0, 0.0, 0.0)
         if included:
-            self._check_config(trainable, op, gradient_predivide_factor, bucket_bytes, sparse_as_dense)
+            if self._elastic:
+                self._config_pending = True
+            else:
+                self._check_config()
             self._register_hooks()
 
-    def _check_config(self, trainable, op, gradient_predivide_factor, bucket_bytes, sparse_as_dense):
-        """One allgather of a small fingerprint at construction; every rank raises on a mismatch."""
+    def _check_config(self):
+        """One allgather of a small fingerprint (at construction, or under Horovod elastic before the
+        first exchange in each world); every rank raises on a mismatch."""
+        _, gradient_predivide_factor, bucket_bytes, sparse_as_dense = self._config_args
         buckets = [list(getattr(b, "names", [])) for b in getattr(self._pipeline, "buckets", [])]
-        fp = config_fingerprint(trainable, self._compression, self._exchange.op_name,
+        fp = config_fingerprint(self._trainable, self._compression, self._exchange.op_name,
                                 self.backward_passes_per_step, gradient_predivide_factor, bucket_bytes,
                                 sparse_as_dense, buckets, list(getattr(self._pipeline, "routes", []) or []))
         msg = fingerprint_mismatch(self._exchange.allgather_object(fp, "hvd_ext.config"))
         if msg is not None:
             raise ValueError(msg)
+
+    def _new_world(self) -> bool:
+        return (self._config_pending or not self._state_agreed
+                or not same_world(self._world, world_of(self._exchange)))
+
+    def _before_exchange(self):
+        """Before this rank's first collective of a step (first hook, or ``synchronize()``)."""
+        if self._elastic and not same_world(self._world, world_of(self._exchange)):
+            self._rebuild_for_world()
+        if self._config_pending:
+            self._config_pending = False
+            self._check_config()
+        if not self._state_agreed:
+            self._agree_state()
+
+    def reset_world(self) -> None:
+        """Treat the Horovod world as changed: the next exchange rebuilds the pipeline for it and
+        agrees again. Under ``horovodrun`` elastic this happens by itself; this is for other
+        launchers (``state.register_reset_callbacks([optimizer.reset_world])``)."""
+        if self.process_set.included():
+            self._elastic = True
+            self._world = None
+
+    def _rebuild_for_world(self):
+        """Horovod was re-initialised (elastic: a worker left or joined). Every rank rebuilds the same
+        way: buckets and routes for the new size and node layout (the pipeline's state carried
+        over), owner-side memories dropped (their shards belong to the old layout), the
+        sparse-gradient agreement forgotten (it is made again at this step). Worker residuals stay with their rank; the step
+        counter and compressor state are agreed next (``_agree_state``)."""
+        self._world = world_of(self._exchange)
+        self.world_changes += 1
+        old = self._pipeline
+        state, compress_s = old.state_dict(), old.compress_s
+        state["owner"] = {}
+        self._sparse_ex.reset()
+        self._sparse, self._sparse_ids, self._sparse_dim = [], set(), {}
+        self._sparse_seen = {}
+        self._sparse_probed = self._sparse_as_dense
+        # Node-aware routes cache the per-node process sets of a world; Horovod dropped them on reinit.
+        cache = getattr(sys.modules.get("hvd_ext.exchange.transport"), "_NODE_GROUPS", None)
+        if isinstance(cache, dict):
+            cache.pop(id(getattr(self._exchange.transport, "process_set", None)), None)
+        self._pipeline = GradientPipeline(self._trainable, self._compression, self._compression.feedback,
+                                          self._exchange, self._bucket_bytes)
+        self._pipeline.load_state_dict(state)
+        self._pipeline.compress_s = compress_s
+        self._config_pending = True
+        self._state_agreed = False
 
     def _agree_state(self):
         """Once, before this optimizer's first gradient exchange: if ranks hold hvd_ext state of
@@ -279,8 +378,12 @@ class _DistributedMixin:
         def hook(param):
             if not self._exchange_gradients:
                 return
-            if not self._state_agreed:
-                self._agree_state()
+            if not self._hooked_since_sync:
+                if self._elastic and self._new_world():
+                    # The first exchange in a new world waits for synchronize(): by then every rank,
+                    # a joining one too, has finished backward and agreed on the mode (sync strategies).
+                    return
+                self._before_exchange()
             self._hooked_since_sync = True
             if self._allreduce_delay[p] <= 0:
                 raise AssertionError("Gradients were computed more than backward_passes_per_step times "
@@ -331,8 +434,12 @@ class _DistributedMixin:
         if not self.process_set.included() or not self._exchange_gradients:
             self._synchronized = True
             return
-        if not self._state_agreed:
-            self._agree_state()
+        if not self._hooked_since_sync:
+            self._before_exchange()
+        if not self._sparse_probed:  # hooks skipped (first step in a new world): look at the gradients
+            for n, p in self._trainable:
+                if p.grad is not None and p.grad.is_sparse:
+                    self._sparse_seen[n] = p.grad.sparse_dim()
         nonfinite = self._pipeline.finish()
         if self._sparse:
             nonfinite = self._sparse_ex.finish(self._sparse) or nonfinite
@@ -433,6 +540,7 @@ class _DistributedMixin:
         self._synchronized = False
         self._should_synchronize = True
         self._skip_next_step = False
+        self._hooked_since_sync = False
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         super().load_state_dict(state_dict)

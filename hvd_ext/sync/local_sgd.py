@@ -21,6 +21,13 @@ torch optimizer the warm-up averages the parameters every step, which equals
 synchronous SGD for SGD with (Nesterov) momentum and weight decay (the update is
 linear in the gradient). Every decision depends on the step counter only, so all
 ranks agree (the rule of consistency).
+
+Under Horovod elastic (``HOROVOD_ELASTIC=1``) nothing is exchanged at construction (a
+worker may join a running job); the configuration check and the agreement on the
+counters (the most advanced rank's ``steps``, ``since_sync`` and period) run at the
+first ``step()`` in each world, i.e. again after every re-initialisation of Horovod.
+Until then the gradient exchange stays off, so the first step in a new world
+exchanges, if it is a warm-up step, at ``optimizer.step()`` on every rank at once.
 """
 from __future__ import annotations
 
@@ -124,11 +131,37 @@ class LocalSGD(_NoSharedState):
         self.included = self.process_set.included()
         self._agreed = not self.included
         self.stats.extra.setdefault("sync", self.describe())
-        if self.included:
-            check_same_config(owner, {"sync": self.describe(), "distributed": self.distributed,
-                                      "tensors": [tuple(t.shape) for t in self.state.params + self.state.buffers],
-                                      "momentum": bool(self.state.momentum)}, self.process_set)
+        self._fingerprint = {"sync": self.describe(), "distributed": self.distributed,
+                             "tensors": [tuple(t.shape) for t in self.state.params + self.state.buffers],
+                             "momentum": bool(self.state.momentum)}
+        # Horovod elastic: no collective at construction; check and agree at the first step of each world
+        from ..optimizer import horovod_elastic, world_of
+
+        self._elastic = self.included and horovod_elastic()
+        self._world = world_of(exchange_for(self.process_set, optimizer)) if self._elastic else None
+        self._config_pending = self._elastic
+        self.world_changes = 0
+        if self.included and not self._elastic:
+            check_same_config(owner, self._fingerprint, self.process_set)
         self._set_mode()
+
+    def _enter_world(self) -> None:
+        """Under Horovod elastic, at the top of ``step()``/``finish()``: after a re-initialisation of
+        Horovod (a worker left or joined) check the configuration and agree on the counters again,
+        then set the gradient-exchange mode from the agreed counters -- the same on every rank."""
+        from ..optimizer import same_world, world_of
+
+        world = world_of(exchange_for(self.process_set, self.optimizer))
+        if not same_world(self._world, world):
+            self._world = world
+            self.world_changes += 1
+            self._config_pending, self._agreed = True, False
+        if self._config_pending:
+            self._config_pending = False
+            check_same_config(type(self).__name__, self._fingerprint, self.process_set)
+        if not self._agreed:
+            self._agree()
+            self._set_mode()
 
     def _agree(self) -> None:
         """Once, at the first step: if ranks hold different strategy state (a checkpoint loaded on
@@ -154,15 +187,19 @@ class LocalSGD(_NoSharedState):
         return (self.steps if step is None else step) < self.warmup_steps
 
     def _set_mode(self) -> None:
-        """Gradient exchange for the coming step: on during warm-up (DistributedOptimizer only)."""
+        """Gradient exchange for the coming step: on during warm-up (DistributedOptimizer only);
+        under Horovod elastic off until the counters are agreed in this world."""
         if self.distributed:
-            self.optimizer.set_gradient_exchange(self.in_warmup())
+            pending = getattr(self, "_elastic", False) and (self._config_pending or not self._agreed)
+            self.optimizer.set_gradient_exchange(self.in_warmup() and not pending)
 
     def _due(self) -> bool:
         return self.since_sync >= self.period
 
     def step(self, loss=None, closure=None):
-        if not self._agreed:
+        if self._elastic:
+            self._enter_world()
+        elif not self._agreed:
             self._agree()
         warm = self.in_warmup()
         out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
@@ -202,7 +239,9 @@ class LocalSGD(_NoSharedState):
 
     def finish(self) -> None:
         """Average what is left since the last sync so every rank ends with the same model."""
-        if not self._agreed:
+        if self._elastic:
+            self._enter_world()
+        elif not self._agreed:
             self._agree()
         if self.since_sync > 0:
             nbytes, wait = self._average()

@@ -84,6 +84,10 @@ def require_mpi_controller(owner: str) -> None:
             gloo = gloo or not hvd.mpi_enabled()
     except (AttributeError, ValueError):
         pass
+    if os.environ.get("HOROVOD_ELASTIC", "0").strip() not in ("", "0"):
+        raise RuntimeError(f"{owner} needs MPI one-sided operations, and Horovod elastic runs on Gloo only: "
+                           "use every/local/adaptive sync under elastic training, or launch without elastic "
+                           "(horovodrun --mpi ... or mpirun ...)")
     if gloo or not hvd.mpi_built():
         raise RuntimeError(f"{owner} needs MPI one-sided operations: launch with the MPI controller "
                            "(horovodrun --mpi ... or mpirun ...), not with Gloo (horovodrun --gloo)")

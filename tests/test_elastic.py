@@ -1,0 +1,228 @@
+"""Horovod elastic around hvd_ext.DistributedOptimizer (and LocalSGD): a real elastic
+``horovodrun`` on localhost whose host-discovery script removes a worker and adds it back
+(tests/workers/elastic_train.py), with a hard timeout on the whole process group; and two
+in-process checks (size 1): no collective at construction under elastic, the rebuild after a
+world change, and TorchState commit/restore of the hvd_ext state."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, WORKERS, _env
+
+TIMEOUT_S = 110
+
+
+def _results(text):
+    out, dec = [], json.JSONDecoder()
+    i = text.find("RESULT {")
+    while i >= 0:
+        obj, end = dec.raw_decode(text, i + 7)
+        out.append(obj)
+        i = text.find("RESULT {", end)
+    return out
+
+
+def run_elastic(tmp_path, *args, timeout=TIMEOUT_S):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    disc = tmp_path / "discover.sh"
+    disc.write_text(f"#!/bin/sh\ncat '{hosts}'\n")
+    disc.chmod(0o755)
+    py = sys.executable
+    hvdrun = shutil.which("horovodrun", path=str(Path(py).parent) + os.pathsep + os.environ.get("PATH", ""))
+    # --network-interface: without it an elastic Gloo job waits for two distinct hosts (NIC discovery).
+    cmd = [hvdrun, "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(disc),
+           "--network-interface", "lo", "--start-timeout", "60", "--gloo",
+           py, str(WORKERS / "elastic_train.py"), "--hosts-file", str(hosts), *map(str, args)]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+                            cwd=str(ROOT), start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and every worker it started
+        out, _ = proc.communicate()
+        pytest.fail(f"elastic job hung for {timeout}s\n{out[-6000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # a worker left behind by the driver
+        except ProcessLookupError:
+            pass
+    elapsed = time.monotonic() - t0
+    if proc.returncode != 0:
+        pytest.fail(f"elastic job exited {proc.returncode}\n{out[-6000:]}")
+    return _results(out), out, elapsed
+
+
+def test_elastic_remove_and_readd_worker(tmp_path):
+    results, out, elapsed = run_elastic(tmp_path)
+    assert len(results) == 2, out[-6000:]
+    survivor = next(r for r in results if r["joined_at"] == 0)
+    joiner = next(r for r in results if r["joined_at"] > 0)
+    for r in results:
+        assert r["finished"], r  # reached the end through both phases, not the step limit
+        assert r["phase"] == 4 and r["size"] == 2
+        # hvd_ext state followed the synced step counter through both resets (local: never exchanges)
+        assert r["pipeline_steps"] == {**{k: r["step"] for k in r["pipeline_steps"]}, "local": 0}, r
+        assert r["routes"]["topk"] == ["sparse_rs"]
+    assert survivor["step"] == joiner["step"]
+    # LocalSGD counters agreed: both ranks averaged at the same steps
+    assert survivor["sync_end"] == {k: {**v, "world_changes": 2} for k, v in joiner["sync_end"].items()}
+    assert survivor["sync_end"]["local"]["syncs"] >= survivor["step"] // 4 - 2
+
+    # The survivor trained at sizes 2, 1, 2; the reset callbacks saw the new sizes.
+    after = [e for e in survivor["events"] if e["when"] == "after"]
+    before = [e for e in survivor["events"] if e["when"] == "before"]
+    assert [e["size"] for e in after] == [2, 1, 2]
+    assert [x["size"] for x in survivor["resets"]] == [1, 2]
+    assert survivor["world_changes"] == {"topk": 2, "powersgd": 2, "none": 2, "warm": 2, "local": 0}
+    for e in after:  # routes rebuilt for the new size; the step counter continued
+        t = e["opts"]["topk"]
+        assert t["pipeline_size"] == e["size"]
+        assert t["routes"] == (["sparse_rs"] if e["size"] == 2 else ["allgather"])
+        assert all(o["pipeline_step"] == e["step"] for k, o in e["opts"].items() if k != "local")
+        assert all(s["steps"] == e["step"] for s in e["syncs"].values())
+    # At size 1: the owner-side memory of the sparse reduce-scatter was dropped, the worker
+    # residual (error feedback) came through the reset
+    assert before[1]["opts"]["topk"]["residual"] > 0 and before[1]["opts"]["topk"]["owner_entries"] == 1
+    assert after[1]["opts"]["topk"]["owner_entries"] == 0
+    assert before[2]["opts"]["topk"]["residual"] > 0 and before[2]["opts"]["powersgd"]["residual"] > 0
+
+    # The joined worker started from zero residual and step 0 and took the step counter over
+    jb = [e for e in joiner["events"] if e["when"] == "before"][0]
+    ja = [e for e in joiner["events"] if e["when"] == "after"][0]
+    assert joiner["resets"] == [] and jb["size"] == 2
+    assert all(o["pipeline_step"] == 0 and o["residual"] == 0 for o in jb["opts"].values())
+    assert all(s["steps"] == 0 for s in jb["syncs"].values())
+    assert all(o["pipeline_step"] == joiner["joined_at"] + 1 for k, o in ja["opts"].items() if k != "local")
+    assert all(s["steps"] == joiner["joined_at"] + 1 for s in ja["syncs"].values())
+    assert ja["opts"]["topk"]["residual"] > 0
+
+    # Converged, identical models on both ranks
+    for k, loss in survivor["final_loss"].items():
+        assert loss < 0.5 and loss < 0.05 * survivor["init_loss"][k], (k, loss)
+        assert abs(loss - joiner["final_loss"][k]) < 1e-4 * max(1.0, loss), (k, loss, joiner["final_loss"][k])
+    assert elapsed < 120, elapsed
+
+
+def test_elastic_defers_collectives_and_rebuilds_in_process(monkeypatch):
+    """One process (size 1): under HOROVOD_ELASTIC construction makes no collective; the check and
+    the agreement run at the first exchange; after a world change the pipeline is rebuilt with its
+    step and worker residuals, and the owner-side memories are dropped."""
+    import horovod.torch as hvd
+    import torch
+
+    import hvd_ext
+    from hvd_ext.exchange import Exchange
+
+    hvd.init()
+    calls = []
+    real = Exchange.allgather_object
+
+    def counting(self, obj, name):
+        calls.append(name)
+        return real(self, obj, name)
+
+    monkeypatch.setattr(Exchange, "allgather_object", counting)
+
+    def build(elastic):
+        if elastic:
+            monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+        else:
+            monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(),
+                                           compression="topk:ratio=0.25")
+        return model, opt
+
+    def train_step(model, opt):
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+
+    model, opt = build(elastic=False)
+    assert calls == ["hvd_ext.config"]            # not elastic: checked at construction
+    calls.clear()
+    model, opt = build(elastic=True)
+    assert calls == []                            # elastic: nothing at construction
+    first = ["hvd_ext.config", "hvd_ext.resume.steps", "hvd_ext.sparse.names"]
+    train_step(model, opt)
+    assert calls == first
+    train_step(model, opt)
+    assert calls == first                         # once per world, no per-step cost
+    pipe = opt._pipeline
+    residual = {k: v.clone() for k, v in pipe.feedback.memory.items()}
+    assert residual and pipe.step == 2
+    pipe.owner_memory.memory["b0:owner"] = torch.ones(3)
+    opt.reset_world()
+    opt._before_exchange()
+    assert opt._pipeline is not pipe and opt.world_changes == 1
+    assert opt._pipeline.step == 2 and opt._pipeline.owner_memory.memory == {}
+    assert opt._pipeline.feedback.memory.keys() == residual.keys()
+    assert all(torch.equal(opt._pipeline.feedback.memory[k], v) for k, v in residual.items())
+    assert calls[3:] == ["hvd_ext.config", "hvd_ext.resume.steps"]
+    train_step(model, opt)                        # the sparse-gradient agreement is made again
+    assert opt._pipeline.step == 3 and calls[5:] == ["hvd_ext.sparse.names"]
+
+    # LocalSGD: no collective at construction under elastic; checks and agrees at its first step
+    calls.clear()
+    sync = hvd_ext.LocalSGD(opt, model, period=2)
+    assert calls == [] and sync.world_changes == 0
+
+    def train_step_sync():
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        sync.step()
+
+    train_step_sync()
+    assert calls == ["hvd_ext.sync.config", "hvd_ext.sync.resume"]
+    train_step_sync()
+    assert len(calls) == 2 and sync.syncs == 1
+
+
+def test_torchstate_commit_restore_carries_hvd_ext_state():
+    """hvd.elastic.TorchState saves optimizer.state_dict() on commit and loads it on restore (after a
+    failed collective): the pipeline step, worker residuals and compressor state come back with it."""
+    import horovod.torch as hvd
+    import torch
+
+    import hvd_ext
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression="powersgd:rank=1,start_step=0")
+
+    def train_step():
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
+    train_step()
+    state.batch = 1
+    state.commit()
+    saved = opt.state_dict()["hvd_ext"]
+    assert saved["step"] == 1 and saved["feedback"]["memory"] and saved["compressor"]["q_memory"]
+    train_step()
+    train_step()
+    assert opt._pipeline.step == 3
+    state.restore()
+    now = opt.state_dict()["hvd_ext"]
+    assert now["step"] == 1 and state.batch == 1
+    for part, key in (("feedback", "memory"), ("compressor", "q_memory")):
+        assert now[part][key].keys() == saved[part][key].keys()
+        assert all(torch.equal(now[part][key][k], v) for k, v in saved[part][key].items())
+    train_step()
+    assert opt._pipeline.step == 2
