@@ -16,7 +16,12 @@ on and decides per bucket:
 
       t(b, c) = collectives(r) x lat + wire_bytes(r, payload(c, b), N) / bw + code_time(c, b, r)
 
-  and the bucket takes ``argmin_c t(b, c)`` (ties: the candidate listed first).
+* **choice** -- candidates are listed from the most to the least accurate;
+  the bucket takes the first whose ``t(b, c)`` is within ``slack`` (10%) of
+  the predicted step time (compute, measured as the step period minus the
+  exchange time, plus the fastest exchanges; the bucket's share by size) of
+  the fastest candidate: the most accurate codec that costs at most 10% in
+  step time.
 
 The measurements are averaged over the ranks in one small allreduce and rank
 0's decision is broadcast, so every rank uses the same codec for every bucket.
@@ -36,7 +41,7 @@ so measurement noise does not flip codecs back and forth. The
 default candidates are ``none, fp16, qsgd:bits=8, topk:ratio=0.01``: nothing
 coarser than 8 bits or 1% unless the user lists it.
 
-Spec: ``auto`` or ``auto:every=1000,warmup=2,candidates=none,fp16,topk:ratio=0.01,scope=layer``
+Spec: ``auto`` or ``auto:every=1000,warmup=5,candidates=none,fp16,topk:ratio=0.01,scope=layer``
 (``candidates=`` comes last; a comma-separated item with a ``:`` or without
 ``=`` starts a new candidate, other ``key=value`` items belong to the
 candidate before them).
@@ -58,9 +63,11 @@ _COLLECTIVES = {"allreduce": 1, "allgather": 1, "twophase": 2, "sparse_rs": 2}
 
 AUTO_OPTIONS = {
     "every": Option(int, 1000, "int >= 1", lambda v: v >= 1, help="exchanges between two decisions"),
-    "warmup": Option(int, 2, "int >= 1", lambda v: v >= 1, help="dense exchanges before the first decision"),
+    "warmup": Option(int, 5, "int >= 2", lambda v: v >= 2, help="dense exchanges before the first decision"),
     "check": Option(int, 50, "int >= 1", lambda v: v >= 1,
                     help="exchanges between two checks of measured against predicted time"),
+    "slack": Option(float, 0.1, "0 <= slack <= 10", lambda v: 0 <= v <= 10,
+                    help="step time a more accurate candidate may cost over the fastest (fraction)"),
     "release": Option(int, 16, "int >= 1", lambda v: v >= 1,
                       help="exchanges over which a replaced codec's memory is sent"),
     "margin": Option(float, 0.15, "0 <= margin < 1", lambda v: 0 <= v < 1,
@@ -189,6 +196,8 @@ class AutoTuner:
         self.decisions: List[Dict[str, Any]] = []
         self._measured: List[float] = []
         self._check_every = auto.check
+        self._periods: List[float] = []
+        self._last_end: Optional[float] = None
         self.debt: Dict[str, torch.Tensor] = {}   # memory of a replaced codec, released over steps
         self.debt_left: Dict[str, int] = {}
         self._released: Dict[str, torch.Tensor] = {}
@@ -206,8 +215,12 @@ class AutoTuner:
 
     # ---- called by the pipeline --------------------------------------------------------
     def exchange_time(self, seconds: float) -> None:
-        """This rank's time spent in the exchange of the step that just finished."""
+        """This rank's time spent in the exchange of the step that just finished (and the step period)."""
         self._measured.append(seconds)
+        now = time.perf_counter()
+        if self._last_end is not None:
+            self._periods.append(now - self._last_end)
+        self._last_end = now
 
     def after_step(self) -> None:
         step, a = self.pipe.step, self.auto
@@ -340,12 +353,15 @@ class AutoTuner:
             for c in cands:
                 r = self._time_codec(c, b, grads)
                 rows += [r["enc"], r["dec"], r["bytes"]]
-        local = torch.tensor([probe["lat"], probe["large"]] + rows, dtype=torch.float64)
+        periods, meas = self._periods[-50:], self._measured[-50:]
+        compute = (sum(periods) / len(periods) - sum(meas) / len(meas)) if periods and meas else 0.0
+        local = torch.tensor([probe["lat"], probe["large"], max(compute, 0.0)] + rows, dtype=torch.float64)
         mean = self._allreduce(local.float(), f"hvd_ext.auto.measure.{pipe.step}").double()
-        lat, large = float(mean[0]), float(mean[1])
+        lat, large, compute = float(mean[0]), float(mean[1]), float(mean[2])
         self.link = {"lat": lat, "bw": probe["wire"] / max(large - lat, 1e-6)}
-        choice, predicted, table = [], 0.0, []
-        k = 2
+        choice, predicted, table, all_times = [], 0.0, [], []
+        total = sum(p.numel() for b in pipe.buckets for p in b.params) or 1
+        k = 3
         for b in pipe.buckets:
             numel = sum(p.numel() for p in b.params)
             best, best_t, per, times = 0, None, {}, []
@@ -358,12 +374,18 @@ class AutoTuner:
                 per[self.auto.candidate_specs[ci]] = round(t * 1e3, 4)
                 if best_t is None or t < best_t * (1 - 1e-3):
                     best, best_t = ci, t
-            cur = self.choice[b.index]
-            if self.last_eval is not None and best != cur and best_t > (1 - self.auto.margin) * times[cur]:
-                best, best_t = cur, times[cur]  # not worth a switch
-            choice.append(best)
-            predicted += best_t
+            all_times.append((best, times, numel))
             table.append(per)
+        step_time = compute + sum(times[best] for best, times, _ in all_times)
+        for b, (best, times, numel) in zip(pipe.buckets, all_times):
+            # the most accurate candidate within the slack (candidates are listed most accurate first)
+            allowance = self.auto.slack * step_time * numel / total
+            best = next(ci for ci, t in enumerate(times) if t <= times[best] + allowance)
+            cur = self.choice[b.index]
+            if self.last_eval is not None and best != cur and times[best] > (1 - self.auto.margin) * times[cur]:
+                best = cur  # not worth a switch
+            choice.append(best)
+            predicted += times[best]
         # Rank 0's decision for everyone (identical inputs already; this makes it certain).
         agreed = pipe.exchange.broadcast_object(choice, 0, f"hvd_ext.auto.choice.{pipe.step}")
         changed = False
@@ -379,12 +401,13 @@ class AutoTuner:
         self.predicted_s = predicted
         self.last_eval = pipe.step
         measured = sum(self._measured) / len(self._measured) if self._measured else None
-        self._measured = []
+        self._measured, self._periods = [], []
         self.decisions.append({"step": pipe.step, "reason": reason,
                                "choice": [self.auto.candidate_specs[ci] for ci in agreed],
                                "predicted_ms": round(predicted * 1e3, 3),
                                "measured_before_ms": None if measured is None else round(measured * 1e3, 3),
                                "link": {"latency_ms": round(lat * 1e3, 4), "MB_per_s": round(self.link["bw"] / 1e6, 2)},
+                               "compute_ms": round(compute * 1e3, 3),
                                "predicted_ms_per_candidate": table})
         del self.decisions[:-20]
 

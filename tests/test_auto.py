@@ -68,7 +68,7 @@ def test_dense_until_warmup_then_same_choice_everywhere(monkeypatch, size):
 
 def test_fast_link_keeps_dense(monkeypatch):
     monkeypatch.setattr(AutoTuner, "_probe_link", _link())
-    runs = run_pipeline("auto:warmup=1", _grads(3, 2), 2)
+    runs = run_pipeline("auto:warmup=2", _grads(3, 2), 2)
     for r in runs:
         assert set(r.pipeline.auto.report()["choice"]) == {"none"}
         d = r.pipeline.auto.decisions[0]
@@ -115,7 +115,7 @@ def test_memory_carries_over_when_switching_back(monkeypatch):
 
 def test_checkpoint_keeps_choice(monkeypatch):
     monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
-    spec = "auto:warmup=1,candidates=none,topk:ratio=0.1,scope=layer,exchange=allgather"
+    spec = "auto:warmup=2,candidates=none,topk:ratio=0.1,scope=layer,exchange=allgather"
     runs = run_pipeline(spec, _grads(3, 2), 2)
     sd = runs[0].pipeline.state_dict()
     assert sd["auto"]["choice"] == runs[0].pipeline.auto.choice and sd["auto"]["choice"] != [0]
@@ -126,3 +126,22 @@ def test_checkpoint_keeps_choice(monkeypatch):
     monkeypatch.setattr(AutoTuner, "_probe_link", _link())
     runs2 = run_pipeline(spec, _grads(1, 2), 2, before_step=restore)
     assert runs2[0].pipeline.buckets[0].comp is runs2[0].pipeline.compressor.candidates[1]
+
+
+def test_most_accurate_candidate_within_slack(monkeypatch):
+    """Candidates are listed most accurate first: the first whose predicted time is within `slack`
+    of the predicted step time of the fastest wins; with slack=0 the fastest wins."""
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link())
+    fake = {"none": 100e-3, "fp16": 52e-3, "topk": 50e-3}
+
+    def time_codec(self, c, b, grads):
+        return {"enc": 0.0, "dec": 0.0, "bytes": float(list(fake).index(c.name))}
+
+    def predict(self, kind, numel, payload, enc, dec):
+        return fake[list(fake)[int(payload)]]
+
+    monkeypatch.setattr(AutoTuner, "_time_codec", time_codec)
+    monkeypatch.setattr(AutoTuner, "predict", predict)
+    for slack, want in (("0.1", "fp16"), ("0", "topk:ratio=0.01"), ("2", "none")):
+        runs = run_pipeline(f"auto:warmup=2,slack={slack},candidates=none,fp16,topk:ratio=0.01", _grads(3, 2), 2)
+        assert runs[0].pipeline.auto.report()["choice"] == [want], slack
