@@ -368,7 +368,7 @@ class AutoTuner:
             for ci, c in enumerate(cands):
                 enc, dec, nbytes = float(mean[k]), float(mean[k + 1]), float(mean[k + 2])
                 k += 3
-                kind = choose_route(c, getattr(c, "route", "auto"), numel, pipe.size)
+                kind = choose_route(c, getattr(c, "route", "auto"), numel, pipe.size, exchange=pipe.exchange)
                 t = self.predict(kind, numel, nbytes, enc, dec)
                 times.append(t)
                 per[self.auto.candidate_specs[ci]] = round(t * 1e3, 4)
