@@ -51,9 +51,9 @@ loopback unshaped unless --intra), launched as on a cluster with
 then plain Horovod, Horovod with HOROVOD_HIERARCHICAL_ALLREDUCE=1
 (`horovod:hier`; this CPU build has no hierarchical allreduce op, only
 NCCL's, so it runs the flat ring), and qsgd:bits=8 and topk:ratio=0.01 each
-with hierarchy=flat and with the default node-aware exchange. Every job gets
-HOROVOD_DYNAMIC_PROCESS_SETS=1 (scripts/train.py calls plain hvd.init(); the
-node-aware exchange adds its process sets at run time). The routes each
+with hierarchy=flat and with the default node-aware exchange (scripts/train.py
+calls plain hvd.init(): the node groups ride on the global alltoall, no
+process sets needed). The routes each
 hvd_ext method takes are those the same code chooses on a simulated world
 of the same layout; the table adds each node-aware method's step time
 against its hierarchy=flat twin.
@@ -186,7 +186,7 @@ def launcher_prefix(a, kind: str):
         return common.hvd_launcher(a.ranks, kind)
     if kind == "gloo":
         return ["horovodrun", "-np", str(a.ranks), "-H", hosts(a), "--gloo", "--start-timeout", "120"]
-    return ["mpirun", "-np", str(a.ranks), "-H", hosts(a), "--bind-to", "none", "-x", "HOROVOD_DYNAMIC_PROCESS_SETS",
+    return ["mpirun", "-np", str(a.ranks), "-H", hosts(a), "--bind-to", "none",
             "-x", "BENCH_EXTRA_ARGS", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"]
 
 
@@ -237,7 +237,6 @@ def plan(method: str, a, workdir: Path):
     """-> dict(method, framework, launcher, cmd, json, log) or dict(status='skipped', reason=...)."""
     p = _plan(method, a, workdir)
     if a.nodes and "env" in p:
-        p["env"]["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
         if method == "horovod:hier":
             p["env"]["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
         routes = predicted_routes(method, a)

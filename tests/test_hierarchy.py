@@ -266,6 +266,41 @@ def test_node_memory_survives_a_checkpoint():
     assert any(k.endswith(":node") for k in saved[0]["owner"])
 
 
+@pytest.mark.parametrize("spec", ["none", "qsgd:bits=8", "topk:ratio=0.05,exchange=twophase", "efsignsgd"])
+def test_groups_over_alltoall_equal_sub_worlds(spec):
+    """Node groups as masked alltoalls over the whole world (Horovod's default here) give the same bits
+    as separate group worlds (process sets)."""
+    grads = make_grads(6, 3, seed=4)
+    a = run_pipeline(spec, grads, 6, ranks_per_node=3)
+    b = run_pipeline(spec, grads, 6, ranks_per_node=3, groups="alltoall")
+    assert a[0].routes == b[0].routes and a[0].routes[0].startswith("node:")
+    for ra, rb in zip(a, b):
+        assert all(torch.equal(ra.results[s][k], rb.results[s][k]) for s in range(3) for k in SHAPES)
+        assert ra.received == rb.received
+
+
+def test_group_transport_collectives():
+    from hvd_ext.exchange.transport import GroupTransport
+
+    def body(rank, t):
+        g = GroupTransport(t, [r for r in range(5) if r % 2 == rank % 2])
+        x = torch.full((2,), float(rank))
+        g.wait(g.allreduce_async(x, "ar", op="sum"))
+        ag = g.wait(g.allgather_async(torch.arange(rank + 1, dtype=torch.float32), "ag"))
+        got, sp = g.wait(g.alltoall_async(torch.tensor([rank * 10 + j for j in range(g.size())]),
+                                          [1] * g.size(), "a2a"))
+        return x.tolist(), ag.tolist(), got.tolist(), sp, g.allgather_object(rank, "obj")
+
+    out = SimulatedWorld(5).run(body)
+    even, odd = [0, 2, 4], [1, 3]
+    for rank, (x, ag, got, sp, objs) in enumerate(out):
+        grp = even if rank % 2 == 0 else odd
+        assert x == [float(sum(grp))] * 2
+        assert ag == [float(v) for r in grp for v in range(r + 1)]
+        assert got == [r * 10 + grp.index(rank) for r in grp] and sp == [1] * len(grp)
+        assert objs == grp
+
+
 def test_no_process_sets_one_warning_and_flat():
     from hvd_ext.exchange import routes
 
@@ -324,10 +359,11 @@ def _testbed(mode, timeout=280):
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
-def test_testbed_2x2_dynamic_process_sets():
-    """horovodrun --gloo -H node1:2,node2:2 with hvd.init(process_sets="dynamic"): node-aware routes,
-    bit for bit the simulated 2 x 2 world's results, every rank the same parameters, error as flat."""
-    res = _testbed("dynamic")
+def test_testbed_2x2_node_aware_equals_simulated():
+    """horovodrun --gloo -H node1:2,node2:2, plain hvd.init(): node-aware routes (node groups over the
+    global alltoall), bit for bit the simulated 2 x 2 world's results, every rank the same parameters,
+    the codec's error as flat, fewer bytes across nodes than inside them."""
+    res = _testbed("alltoall")
     assert [(r["local_rank"], r["cross_rank"]) for r in res] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     expect = {"none": "node:allreduce", "qsgd:bits=8": "node:allgather", "topk:ratio=0.02": "node:allgather",
               "qsgd:bits=8,exchange=twophase": "node:twophase", "topk:ratio=0.02,exchange=twophase": "node:sparse_rs"}
@@ -345,7 +381,8 @@ def test_testbed_2x2_dynamic_process_sets():
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 def test_testbed_2x2_declared_process_sets():
-    """hvd.init(process_sets=hvd_ext.exchange.node_process_sets()): the declared sets are used."""
+    """HVD_EXT_NODE_GROUPS=process_sets with hvd.init(process_sets=hvd_ext.exchange.node_process_sets()):
+    the declared process sets carry the node groups, same results."""
     for r in _testbed("declared"):
         assert r["warnings"] == []
         assert r["qsgd:bits=8"]["routes"] == ["node:allgather"] and r["qsgd:bits=8"]["bitwise"]
@@ -365,7 +402,6 @@ def test_compare_nodes_plans():
     plans = {m: compare.plan(m, a, Path("/tmp")) for m in ["horovod", "horovod:hier", "qsgd:bits=8"]}
     for p in plans.values():
         assert p["cmd"][:6] == ["horovodrun", "-np", "4", "-H", "node1:2,node2:2", "--gloo"]
-        assert p["env"]["HOROVOD_DYNAMIC_PROCESS_SETS"] == "1"
     assert plans["horovod:hier"]["env"]["HOROVOD_HIERARCHICAL_ALLREDUCE"] == "1"
     assert "HOROVOD_HIERARCHICAL_ALLREDUCE" not in plans["horovod"]["env"]
     assert plans["qsgd:bits=8"]["routes"] == ["node:allgather"]

@@ -10,12 +10,15 @@
 * :mod:`.hierarchical` -- the node-aware exchange: dense inside a node,
   compressed across nodes, each local rank carrying 1/L of the bucket.
 
-The node-aware exchange needs Horovod process sets for the nodes: start
-Horovod with ``hvd.init(process_sets="dynamic")`` (or
-``HOROVOD_DYNAMIC_PROCESS_SETS=1`` in the environment), or declare them with
-``hvd.init(process_sets=hvd_ext.exchange.node_process_sets())``.
+The node-aware exchange needs nothing at ``hvd.init``: its node groups ride
+on alltoalls of the global process set (:class:`GroupTransport`). With
+``HVD_EXT_NODE_GROUPS=process_sets`` it uses Horovod process sets instead,
+which must then be declared at ``hvd.init`` -- ``hvd.init(process_sets=
+hvd_ext.exchange.node_process_sets())`` -- or be addable at run time --
+``hvd.init(process_sets="dynamic")`` or ``HOROVOD_DYNAMIC_PROCESS_SETS=1``;
+without either, one warning says so and the exchange stays flat.
 """
 from .core import Exchange, ExchangeStats, Pending, frame, unframe  # noqa: F401
 from .simulated import SimulatedTransport, SimulatedWorld, run_world  # noqa: F401
-from .transport import (HorovodTransport, NodeGroupsUnavailable, Topology, Transport,  # noqa: F401
-                        node_process_sets, offsets, split_sizes)
+from .transport import (GroupTransport, HorovodTransport, NodeGroupsUnavailable, Topology,  # noqa: F401
+                        Transport, node_process_sets, offsets, split_sizes)

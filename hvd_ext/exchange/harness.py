@@ -8,7 +8,8 @@ same names and shapes). Each rank builds its own compressor from the spec, an
 sets ``p.grad``, flushes and finishes exactly as the optimizer's hooks and
 ``synchronize()`` do. Returns one :class:`RankRun` per rank. ``ranks_per_node``
 lays the ranks out on nodes (node-aware routes; ``process_sets=False``: the
-node process sets cannot be made).
+node process sets cannot be made; ``groups="alltoall"``: node groups over the
+world's alltoall, as on Horovod by default).
 """
 from __future__ import annotations
 
@@ -36,12 +37,13 @@ class RankRun:
 def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *, params: Optional[Dict[str, torch.Tensor]] = None,
                  bucket_bytes: int = 25 * 1024 * 1024, op: str = "average", route: Optional[str] = None,
                  before_step: Optional[Callable[[int, int, Any], None]] = None, timeout: float = 120.0,
-                 ranks_per_node: int = 0, process_sets: bool = True) -> List[RankRun]:
+                 ranks_per_node: int = 0, process_sets: bool = True, groups: str = "subworld") -> List[RankRun]:
     from ..compression import compression_from_spec
     from ..pipeline import GradientPipeline
 
     names = list(grads[0][0])
-    world = SimulatedWorld(size, timeout=timeout, ranks_per_node=ranks_per_node, process_sets=process_sets)
+    world = SimulatedWorld(size, timeout=timeout, ranks_per_node=ranks_per_node, process_sets=process_sets,
+                           groups=groups)
 
     def body(rank, transport):
         comp = compression_from_spec(spec) if isinstance(spec, str) else spec(rank)

@@ -12,12 +12,12 @@ for one bucket of n elements, L ranks per node, M nodes:
 
 1. **intra-node reduce-scatter, dense**: the bucket (the tensors'
    compensated gradients concatenated) is cut into L shards; local rank l
-   receives the node's sum of shard l (one alltoall over the node's process
-   set: (L-1)/L x 4n bytes per rank, on the fast link);
+   receives the node's sum of shard l (one alltoall among the node's ranks:
+   (L-1)/L x 4n bytes per rank, on the fast link);
 2. **inter-node, compressed**: local rank l adds its node memory (error
    feedback of the node-level compression, kept when the codec runs with
    error feedback), and exchanges shard l with local rank l of every other
-   node through an existing route over the cross-node process set: two-phase
+   node through an existing route over the cross-node group: two-phase
    compressed allreduce, sparse reduce-scatter, allgather, or (linear codecs)
    allreduce. Every local rank carries 1/L of the bucket, so every node's L
    links / NIC queues work in parallel and the node's inter-node bytes are
@@ -32,6 +32,10 @@ node-level compression leaves out is remembered by the shard's holder
 shard, and the inner route's owner memory works as in the flat exchange.
 Nothing is lost: the sum of every input equals the applied results plus the
 node and owner memories.
+
+The node and cross-node groups come from
+:meth:`Exchange.node_exchanges` (on Horovod: masked alltoalls of the global
+process set by default, or process sets; see :mod:`.transport`).
 
 The non-finite flag rides with every phase (a trailing element of the dense
 pieces, the inner route's headers), so every rank skips the same steps.

@@ -15,8 +15,10 @@ Nodes: ``SimulatedWorld(6, ranks_per_node=3)`` lays ranks out as a launcher
 does on a cluster (ranks 0-2 on node 0, 3-5 on node 1), so ``topology()``
 reports local and cross ranks, and ``node_groups()`` returns transports over
 the node's ranks and over the ranks with the same local rank on every node
-(Horovod's local and cross process sets). ``process_sets=False`` stands for a
-job where such process sets cannot be made (``node_groups`` raises).
+(Horovod's local and cross process sets; with ``groups="alltoall"``,
+:class:`~hvd_ext.exchange.transport.GroupTransport` over the whole world's
+alltoall, as on Horovod by default). ``process_sets=False`` stands for a job
+where such process sets cannot be made (``node_groups`` raises).
 """
 from __future__ import annotations
 
@@ -25,12 +27,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .transport import NodeGroupsUnavailable, Topology, Transport
+from .transport import GroupTransport, NodeGroupsUnavailable, Topology, Transport
 
 
 class SimulatedWorld:
     def __init__(self, size: int, timeout: float = 60.0, local_size: int = 1, ranks_per_node: int = 0,
-                 process_sets: bool = True):
+                 process_sets: bool = True, groups: str = "subworld"):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"SimulatedWorld: size must be an int >= 1, got {size!r}")
         if ranks_per_node and (not isinstance(ranks_per_node, int) or ranks_per_node < 1 or size % ranks_per_node):
@@ -39,6 +41,9 @@ class SimulatedWorld:
         self.ranks_per_node = int(ranks_per_node) if ranks_per_node else 0
         self.local = self.ranks_per_node or local_size
         self.process_sets = bool(process_sets)
+        if groups not in ("subworld", "alltoall"):
+            raise ValueError(f"SimulatedWorld: groups must be 'subworld' or 'alltoall', got {groups!r}")
+        self.groups = groups
         self.timeout = timeout
         self._groups: Dict[Tuple[int, ...], "SimulatedWorld"] = {}
         self._cv = threading.Condition()
@@ -138,15 +143,19 @@ class SimulatedTransport(Transport):
         topo = self.topology()
         if topo is None:
             raise NodeGroupsUnavailable("the simulated world has no nodes (ranks_per_node not set)")
-        if not self.world.process_sets:
+        if not self.world.process_sets and self.world.groups == "subworld":
             raise NodeGroupsUnavailable("process sets disabled in this simulated world")
         cached = getattr(self, "_node_groups", None)
         if cached is None:
             L, node, lr = topo.local_size, topo.cross_rank, topo.local_rank
             local = [node * L + j for j in range(L)]
             cross = [m * L + lr for m in range(topo.cross_size)]
-            cached = self._node_groups = (self.world.group(local).transport(local.index(self._rank)),
-                                          self.world.group(cross).transport(cross.index(self._rank)))
+            if self.world.groups == "alltoall":
+                cached = (GroupTransport(self, local), GroupTransport(self, cross))
+            else:
+                cached = (self.world.group(local).transport(local.index(self._rank)),
+                          self.world.group(cross).transport(cross.index(self._rank)))
+            self._node_groups = cached
         return cached
 
     def _post(self, kind: str, name: str, value: Any):

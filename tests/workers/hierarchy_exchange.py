@@ -1,10 +1,13 @@
 """Node-aware exchange on real Horovod ranks spread over nodes (the multi-node testbed).
 
-    hierarchy_exchange.py dynamic|declared|none
+    hierarchy_exchange.py alltoall|dynamic|declared|none
 
-dynamic: ``hvd.init(process_sets="dynamic")``; declared: the node process sets
-passed to ``hvd.init`` (``hvd_ext.exchange.node_process_sets()``); none: plain
-``hvd.init()`` -- the node-aware route cannot be made, one warning, flat.
+alltoall: plain ``hvd.init()``, node groups over the global process set's
+alltoall (the default). The others make the groups from Horovod process sets
+(HVD_EXT_NODE_GROUPS=process_sets): dynamic: ``hvd.init(process_sets=
+"dynamic")``; declared: the node process sets passed to ``hvd.init``
+(``hvd_ext.exchange.node_process_sets()``); none: plain ``hvd.init()`` -- the
+node-aware route cannot be made, one warning, flat.
 
 For each spec every rank computes gradients on its own data, the real
 DistributedOptimizer exchanges them, and every rank replays all ranks'
@@ -28,7 +31,8 @@ from common import emit  # noqa: E402
 from hvd_ext.exchange import node_process_sets  # noqa: E402
 from hvd_ext.exchange.harness import run_pipeline  # noqa: E402
 
-MODE = sys.argv[1] if len(sys.argv) > 1 else "dynamic"
+MODE = sys.argv[1] if len(sys.argv) > 1 else "alltoall"
+os.environ["HVD_EXT_NODE_GROUPS"] = "alltoall" if MODE == "alltoall" else "process_sets"
 if MODE == "dynamic":
     hvd.init(process_sets="dynamic")
 elif MODE == "declared":
@@ -38,7 +42,7 @@ else:
 torch.set_num_threads(1)
 RANK, SIZE, L = hvd.rank(), hvd.size(), hvd.local_size()
 SPECS = ["none", "qsgd:bits=8", "topk:ratio=0.02", "qsgd:bits=8,exchange=twophase",
-         "topk:ratio=0.02,exchange=twophase"] if MODE == "dynamic" else ["qsgd:bits=8"]
+         "topk:ratio=0.02,exchange=twophase"] if MODE == "alltoall" else ["qsgd:bits=8"]
 STEPS = 3
 
 
