@@ -12,6 +12,11 @@ under ``hvd_ext.LocalSGD``: ``local`` (period 4, parameter averages only) and ``
 (topk inside a warm-up longer than the run, i.e. gradient exchange switched on by the
 strategy).
 
+With ``--crash-at N`` (DISC listing two "hosts", ``localhost:1`` and ``127.0.0.1:1``)
+the worker of rank 1 exits at step N instead: the survivor's next collective fails
+(HorovodInternalError), ``TorchState.restore`` brings back the last commit, and it trains
+on alone up to ``--max-steps``.
+
 Each rank prints one RESULT line: the world sizes it trained at, the reset callbacks
 it saw, per optimizer its pipeline step (against the synced step counter), routes
 and residual norm at each world change, and the eval losses before and after.
@@ -41,6 +46,7 @@ ap.add_argument("--steps-at-1", type=int, default=20)      # at size 1 before th
 ap.add_argument("--steps-after", type=int, default=50)     # back at size 2 before the end
 ap.add_argument("--max-steps", type=int, default=4000)     # give up (the test fails) past this
 ap.add_argument("--sleep", type=float, default=0.01)
+ap.add_argument("--crash-at", type=int, default=0)      # rank 1 of the first world exits at this step
 args = ap.parse_args()
 
 hvd.init()
@@ -136,10 +142,15 @@ def train(state):
             else:
                 opts[k].step()
         state.step += 1
+        if args.crash_at and state.step == args.crash_at and hvd.rank() == 1 and joined["step"] == 0:
+            os._exit(3)  # a worker dies: no clean removal
         if size != last_size:
             events.append(snapshot("after"))
             last_size = size
-        if state.phase == 0 and state.step >= args.steps_at_2 and size == 2:
+        if args.crash_at:
+            if state.step >= args.max_steps:
+                return True
+        elif state.phase == 0 and state.step >= args.steps_at_2 and size == 2:
             state.phase = 1
             write_hosts("localhost:1\n")
         elif state.phase == 1 and size == 1:
