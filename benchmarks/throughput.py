@@ -12,11 +12,24 @@ GB/s = gradient bytes (4 * n) / (compress + aggregate seconds), median of
 tails, like real gradients). Runs on CPU here (torch reference paths); on a
 CUDA machine pass ``--device cuda`` to time the kernel paths.
 
+Reference figures measured in the same run: ``memcpy`` (``copy_`` of the
+gradient into an existing buffer of the same size: the physical limit of any
+pass that reads and writes it) and ``fresh copy`` (``clone``: the same plus
+mapping a new dense result, which every decode pays). The first (warm-up)
+round of each method is reported as ``first s``: it includes compiling the
+fused CPU kernels (``HVD_EXT_COMPILE``, see ``hvd_ext.compression._fast``).
+The previous figures are shown as ``before``: read from
+``throughput_baseline.json`` (written once from the old ``throughput.json``),
+or ``--baseline FILE``. The load average is recorded: re-run when it is high.
+
 Writes benchmarks/results/throughput.{json,md}.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import statistics
 import sys
 import time
@@ -73,7 +86,16 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "throughput"))
+    p.add_argument("--baseline", default=None, help="JSON of earlier figures (default: <out>_baseline.json)")
     a = p.parse_args(argv)
+    out = Path(a.out)
+    base_path = Path(a.baseline) if a.baseline else out.parent / (out.name + "_baseline.json")
+    if not base_path.exists() and out.with_suffix(".json").exists() and not a.baseline:
+        shutil.copyfile(out.with_suffix(".json"), base_path)  # keep the figures we are about to replace
+    baseline = {}
+    if base_path.exists():
+        for r in json.loads(base_path.read_text()).get("rows", []):
+            baseline[(r["method"], r["size"])] = r["gb_per_s"]
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -83,41 +105,81 @@ def main(argv=None):
         side = int(n ** 0.5)
         grad = torch.distributions.Laplace(0.0, 1e-3).sample((n,)).to(device)
         grad2d = grad[: side * side].reshape(side, side)
+        buf = torch.empty_like(grad)
+        for ref, fn in (("memcpy", lambda: buf.copy_(grad)), ("fresh copy", lambda: grad.clone())):
+            fn()
+            times = []
+            for _ in range(max(a.repeat, 5)):
+                t0 = time.perf_counter()
+                fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            med = statistics.median(times)
+            gbs = 4 * n / med / 1e9
+            rows.append({"method": ref, "size": size, "numel": n, "seconds": med, "gb_per_s": gbs,
+                         "payload_bytes": 4 * n, "bytes_vs_dense": 1.0, "reference": True})
+            print(f"{ref:32s} {size:>5s}  {1e3 * med:9.1f} ms  {gbs:7.3f} GB/s  (reference)", flush=True)
         for spec in a.methods:
             comp = hvd_ext.compression_from_spec(spec)
             g = grad2d if comp.name == "powersgd" else grad
-            times, nbytes = [], 0
+            times, nbytes, first = [], 0, 0.0
             for rep in range(a.repeat + 1):
                 dt, nbytes, _ = one_round(comp, g, rep, device)
                 if rep:
                     times.append(dt)
+                else:
+                    first = dt
             med = statistics.median(times)
             gbs = 4 * g.numel() / med / 1e9
+            before = baseline.get((spec, size))
             rows.append({"method": spec, "size": size, "numel": g.numel(), "seconds": med, "gb_per_s": gbs,
-                         "payload_bytes": nbytes, "bytes_vs_dense": nbytes / (4 * g.numel())})
+                         "payload_bytes": nbytes, "bytes_vs_dense": nbytes / (4 * g.numel()),
+                         "first_seconds": first, "before_gb_per_s": before})
             print(f"{spec:32s} {size:>5s}  {1e3 * med:9.1f} ms  {gbs:7.3f} GB/s  payload {nbytes / (4 * g.numel()):.4f} "
-                  f"of dense", flush=True)
+                  f"of dense  (before {before if before is None else f'{before:.3f}'}; first round {first:.1f} s)",
+                  flush=True)
             del comp
     doc = {"machine": common.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-           "device": str(device), "threads": torch.get_num_threads(), "rows": rows}
-    out = Path(a.out)
+           "device": str(device), "threads": torch.get_num_threads(), "rows": rows,
+           "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+           "compile": os.environ.get("HVD_EXT_COMPILE", "auto"), "baseline": str(base_path),
+           "argv": " ".join(sys.argv[1:] if argv is None else argv)}
     common.write_json(out.with_suffix(".json"), doc)
     out.with_suffix(".md").write_text(markdown(doc))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
 
 
 def markdown(doc) -> str:
-    sizes = list(dict.fromkeys(r["size"] for r in doc["rows"]))
-    methods = list(dict.fromkeys(r["method"] for r in doc["rows"]))
-    by = {(r["method"], r["size"]): r for r in doc["rows"]}
-    L = [f"### Compression throughput ({doc['device']}, {doc['threads']} threads; {doc['date']})", "",
-         "GB/s of float32 gradient processed by compress + decode-and-sum of 2 ranks (higher is better).", "",
-         "| method | " + " | ".join(sizes) + " | payload / dense |", "|---|" + "---|" * (len(sizes) + 1)]
+    rows = doc["rows"]
+    sizes = list(dict.fromkeys(r["size"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    by = {(r["method"], r["size"]): r for r in rows}
+    load = doc.get("loadavg")
+    L = [f"### Compression throughput ({doc['device']}, {doc['threads']} threads; {doc['date']}"
+         + (f"; load average {load[0]:.2f}" if load else "") + ")", "",
+         "GB/s of float32 gradient processed by compress + decode-and-sum of 2 ranks (higher is better); "
+         "`before`: the previous figures; `vs memcpy`: fraction of the memcpy bandwidth of the same run. "
+         "`memcpy` copies the gradient into an existing buffer, `fresh copy` into a new one "
+         "(what writing a fresh dense result costs). `first s`: seconds of the first (warm-up) round, "
+         "which includes compiling the fused CPU kernels.", ""]
+    head = "| method | " + " | ".join(f"{s} | {s} before | {s} vs memcpy" for s in sizes) + " | first s | payload / dense |"
+    L += [head, "|---|" + "---|" * (3 * len(sizes) + 2)]
     for m in methods:
-        cells = [f"{by[(m, s)]['gb_per_s']:.3f}" if (m, s) in by else "" for s in sizes]
+        cells = []
+        for s in sizes:
+            r = by.get((m, s))
+            mem = by.get(("memcpy", s))
+            if r is None:
+                cells += ["", "", ""]
+                continue
+            b = r.get("before_gb_per_s")
+            cells += [f"{r['gb_per_s']:.3f}", "" if b is None else f"{b:.3f}",
+                      "" if (mem is None or r.get("reference")) else f"{r['gb_per_s'] / mem['gb_per_s']:.3f}"]
+        first = max((by[(m, s)].get("first_seconds") or 0.0) for s in sizes if (m, s) in by)
         ratio = next((by[(m, s)]["bytes_vs_dense"] for s in sizes if (m, s) in by), None)
-        L.append(f"| `{m}` | " + " | ".join(cells) + f" | {ratio:.4f} |")
-    L += ["", "Command: `python benchmarks/throughput.py`", ""]
+        L.append(f"| `{m}` | " + " | ".join(cells) + f" | {first:.1f} | {ratio:.4f} |")
+    L += ["", "Command: `python benchmarks/throughput.py " + doc.get("argv", "") + "`", ""]
     return "\n".join(L)
 
 

@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import kernels as _K
+from . import _fast
 from .base import Compressor, from_bytes
 
 CHUNK = 1 << 16
@@ -134,11 +135,83 @@ def unpack(data: torch.Tensor, n: int, vdtype: torch.dtype = torch.float32) -> T
 
 # ---- selection --------------------------------------------------------------------------
 
+def _mask_ge(score, out, thr, *, strict: bool):
+    # where(., 1., 0.) then uint8: inductor's bool -> uint8 conversion is a slow non-vector path
+    out.copy_(torch.where(score > thr if strict else score >= thr, 1.0, 0.0).to(torch.uint8))
+
+
+_MASK_GE = _fast.Kernel(_mask_ge, "threshold mask")
+
+
+def indices_where(score: torch.Tensor, thr, strict: bool = False) -> torch.Tensor:
+    """Ascending int64 indices of ``score >= thr`` (``> thr`` with ``strict``) of a flat tensor.
+
+    CPU: the comparison is one fused pass into a reused byte mask; the mask is then scanned eight
+    bytes at a time (the non-zero 64-bit words, then the bytes of those words), so a sparse
+    selection costs a pass over n/8 words instead of a ``nonzero`` over n elements."""
+    n = score.numel()
+    if score.device.type != "cpu" or n < 4096:
+        m = score > thr if strict else score >= thr
+        return m.nonzero().squeeze(1)
+    buf = _fast.codes_buffer("sparse/mask", n, score.device)
+    t = thr if isinstance(thr, torch.Tensor) else torch.tensor(float(thr), dtype=score.dtype)
+    _MASK_GE(n, score.device, score, buf[:n], t.to(score.dtype), strict=strict)
+    words = buf.view(torch.int64)
+    hit = (words != 0).nonzero().squeeze(1)
+    if hit.numel() == 0:
+        return hit
+    nz = buf.view(-1, 8)[hit].nonzero()
+    return hit[nz[:, 0]] * 8 + nz[:, 1]
+
+
+_CANDIDATES_MIN = 1 << 16  # exact top-k through a candidate threshold from this many elements
+
+
+def _topk_by_candidates(score: torch.Tensor, k: int) -> Optional[torch.Tensor]:
+    """Exact :func:`topk_indices` of a large CPU score without a full ``torch.topk``: a threshold is
+    read off an evenly strided sample a little below its expected k-th largest value, every
+    element >= it becomes a candidate, and when there are at least k candidates the top-k of the
+    candidates (ties to the lowest index) is exactly the top-k of the tensor. None when the sample
+    missed (fewer than k candidates, also with NaN/inf scores): the caller takes the full path."""
+    n = score.numel()
+    if not bool(torch.isfinite(score.sum())):
+        return None
+    s = min(n, max(1 << 16, (64 * n) // max(k, 1)))
+    samp = score[:: max(1, n // s)]
+    s = samp.numel()
+    expect = k * s / n
+    for slack in (1.25, 2.0):
+        j = min(s, int(math.ceil(expect * slack + 4 * math.sqrt(expect) + 8)))
+        if j >= s:
+            return None
+        thr = torch.topk(samp, j, sorted=False).values.min()
+        cand = indices_where(score, thr)
+        if cand.numel() >= k:
+            if cand.numel() > n // 2:
+                return None
+            return cand[_topk_small(score[cand], k)]
+    return None
+
+
 def topk_indices(score: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending indices of the k largest entries of a flat ``score``.
 
     Deterministic: among equal scores at the threshold the lowest indices win,
-    so the result equals sorting by (score descending, index ascending)."""
+    so the result equals sorting by (score descending, index ascending).
+    Large CPU scores go through :func:`_topk_by_candidates` (same result)."""
+    n = score.numel()
+    if k >= n:
+        return torch.arange(n, device=score.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long, device=score.device)
+    if n >= _CANDIDATES_MIN and 8 * k <= n and score.device.type == "cpu":
+        idx = _topk_by_candidates(score, k)
+        if idx is not None:
+            return idx
+    return _topk_small(score, k)
+
+
+def _topk_small(score: torch.Tensor, k: int) -> torch.Tensor:
     n = score.numel()
     if k >= n:
         return torch.arange(n, device=score.device)
@@ -190,7 +263,7 @@ def sampled_indices(score: torch.Tensor, k: int, gen: torch.Generator, sample: f
 
     def pick(j: int) -> torch.Tensor:
         thr = vals[min(j, vals.numel()) - 1]
-        return (score >= thr).nonzero().squeeze(1)
+        return indices_where(score, thr)
 
     cand = pick(ks)
     c = cand.numel()
@@ -199,8 +272,17 @@ def sampled_indices(score: torch.Tensor, k: int, gen: torch.Generator, sample: f
         cand = pick(min(vals.numel(), math.ceil(ks * k / max(c, 1))))
         c = cand.numel()
     if c > SAMPLED_HIGH * k:
-        cand = cand[topk_indices(score[cand], k)]
+        cand = cand[_topk_small(score[cand], k)]
     return cand
+
+
+def abs_score(flat: torch.Tensor) -> torch.Tensor:
+    """|flat| as a selection score; for large CPU tensors in a reused buffer (valid until the next
+    call on this thread), which saves mapping a fresh dense tensor every step."""
+    n = flat.numel()
+    if flat.device.type != "cpu" or n < (1 << 16):
+        return flat.abs()
+    return torch.abs(flat, out=_fast.scratch("sparse/score", n, flat.dtype, flat.device))
 
 
 def split_budget(total: int, weights: Sequence[float], sizes: Sequence[int]) -> List[int]:
@@ -299,13 +381,13 @@ class SparseCompressor(Compressor):
 
     def decode(self, data, ctx, info):
         idx, val = unpack(data, info.numel, self.value_dtype)
-        out = torch.zeros(info.numel, dtype=torch.float32, device=data.device)
+        out = _fast.empty(info.numel, device=data.device).zero_()
         out[idx] = val
         return out
 
     def aggregate(self, datas, ctx, info):
         """Scatter-add every rank's (indices, values) into one dense accumulator, in rank order."""
-        out = torch.zeros(info.numel, dtype=torch.float32, device=datas[0].device if datas else "cpu")
+        out = _fast.empty(info.numel, device=datas[0].device if datas else "cpu").zero_()
         idxs, vals = [], []
         for d in datas:
             idx, val = unpack(d, info.numel, self.value_dtype)
@@ -328,7 +410,7 @@ class SparseCompressor(Compressor):
     def _plan_global(self, items, scores: List[torch.Tensor], total_k: int, mode: str, sample: float) -> None:
         """One selection over the concatenated scores of a bucket, split back per tensor."""
         sizes = [s.numel() for s in scores]
-        cat = torch.cat(scores) if scores else torch.empty(0)
+        cat = scores[0] if len(scores) == 1 else torch.cat(scores) if scores else torch.empty(0)
         if mode == "sampled":
             info0 = items[0][1]
             sel = self._sampled(cat, total_k, info0, "bucket:" + info0.name, sample)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 
 from ..options import Option, fraction, non_negative
-from ._sparse import SparseCompressor, count_for, topk_indices
+from ._sparse import SparseCompressor, abs_score, count_for, topk_indices
 from .base import register
 from .topk import COMMON_OPTIONS
 
@@ -83,7 +83,7 @@ class DGCCompressor(SparseCompressor):
 
     def select(self, flat, info):
         k = count_for(self.density(info.step), flat.numel())
-        score = flat.abs()
+        score = abs_score(flat)
         if self.mode == "sampled":
             return self._sampled(score, k, info)
         return topk_indices(score, k)

@@ -18,11 +18,12 @@ import warnings
 
 import torch
 
+from .. import kernels as _K
 from ..options import Option, non_negative
 from ._quant import chunk_means, chunks, expand_chunks
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
-from .signsgd import bits_to_sign, sign_bits
+from .signsgd import bits_to_sign, sign_aggregate_cpu, sign_bits, sign_compress_cpu
 
 UNSTABLE_WITH_MOMENTUM = (
     "hvd_ext {name}: error-feedback sign compression did not converge under SGD with momentum on the "
@@ -53,15 +54,29 @@ class EFSignSGDCompressor(Compressor):
         n = flat.numel()
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device), None
+        if _K.backend(flat) != "cuda":
+            scales, bits = sign_compress_cpu(flat, self.bucket, True, "efsignsgd")
+            return as_bytes(scales, bits), None
         scales = chunk_means(flat.abs(), self.bucket)
         return as_bytes(scales, sign_bits(flat)), None
 
     def decode(self, data, ctx, info):
+        return self.aggregate([data], ctx, info)
+
+    def aggregate(self, datas, ctx, info):
+        """Sum of the ranks' scaled signs (fused on CPU: one write of the dense result)."""
         n = info.numel
         if n == 0:
-            return torch.zeros(0, device=data.device)
-        s, off = from_bytes(data, 0, torch.float32, chunks(n, self.bucket))
-        return bits_to_sign(data[off:], n) * expand_chunks(s, n, self.bucket)
+            return torch.zeros(0, device=datas[0].device if datas else None)
+        parts = [from_bytes(d, 0, torch.float32, chunks(n, self.bucket)) for d in datas]
+        if _K.backend(*datas) != "cuda":
+            return sign_aggregate_cpu([d[off:] for d, (_, off) in zip(datas, parts)], [s for s, _ in parts], n,
+                                      self.bucket, False, "efsignsgd")
+        out = None
+        for d, (s, off) in zip(datas, parts):
+            dense = bits_to_sign(d[off:], n) * expand_chunks(s, n, self.bucket)
+            out = dense if out is None else out.add_(dense)
+        return out
 
     def wire_bytes(self, numel):
         return (4 * chunks(numel, self.bucket) + packed_bytes(numel, 1)) if numel else 0

@@ -11,7 +11,7 @@ Wire bytes (allgather, fixed size): ``8 * ceil(n / chunk) + n``.
 Kernels: with ``stochastic=1`` on CUDA (``hvd_ext.kernels`` not forced off) the
 rounding is ``kernels.quantize_pack`` onto the levels 0..255 (bits=8: the codes
 are the bytes; same unbiased rule), seeded by ``derive_seed(seed, name, rank)``
-and the step; the CPU path keeps its ``torch.Generator`` stream.
+and the step; the CPU path uses the same counter hash (``_fast.uniform``) in one fused pass.
 """
 from __future__ import annotations
 
@@ -19,8 +19,42 @@ import torch
 
 from .. import kernels as _K
 from ..options import Option, non_negative
-from . import _quant
+from . import _fast, _quant
 from .base import Compressor, as_bytes, from_bytes, register
+
+
+def _encode(v, key, codes_out, n: int, *, stochastic: bool):
+    """(k, c) chunks (NaN-padded) -> (k, 2) float32 (min, max); writes the n byte codes
+    round(255 (x - min) / (max - min)) (stochastic: floor(. + u), u from the counter hash) to
+    ``codes_out``. One fused pass after the min/max reduction."""
+    nan = v != v  # (isnan has no vectorised form in inductor's CPU code; x != x is the same test)
+    lo = torch.where(nan, float("inf"), v).amin(dim=1, keepdim=True)
+    hi = torch.where(nan, float("-inf"), v).amax(dim=1, keepdim=True)
+    width = hi - lo
+    scale = torch.where(width > 0, 255.0 / width, torch.zeros_like(width))
+    r = ((v - lo) * scale).reshape(-1)[:n]
+    if stochastic:
+        r = (r + _fast.uniform(n, key, v.device)).floor()
+    else:
+        r = r.round()
+    codes_out.copy_(torch.where(r == r, r, 0.0).clamp(0, 255).to(torch.uint8))
+    return torch.cat([lo, hi], dim=1)
+
+
+def _decode_sum(out, mms, codes_list, n: int, c: int):
+    acc = None
+    for mm, codes in zip(mms, codes_list):
+        k = mm.shape[0]
+        x = codes.to(torch.float32)
+        if k * c != n:
+            x = torch.nn.functional.pad(x, (0, k * c - n))
+        x = (mm[:, :1] + x.view(k, c) * ((mm[:, 1:] - mm[:, :1]) / 255.0)).reshape(-1)[:n]
+        acc = x if acc is None else acc + x
+    out.copy_(acc)
+
+
+_ENCODE = _fast.Kernel(_encode, "int8 encode")
+_DECODE_SUM = _fast.Kernel(_decode_sum, "int8 decode")
 
 
 @register("int8")
@@ -41,35 +75,42 @@ class Int8Compressor(Compressor):
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device), None
         v = _quant.padded_view(flat, self.chunk, fill=float("nan"))
-        lo = torch.nan_to_num(v, nan=float("inf")).amin(dim=1, keepdim=True)
-        hi = torch.nan_to_num(v, nan=float("-inf")).amax(dim=1, keepdim=True)
-        width = hi - lo
-        scale = torch.where(width > 0, 255.0 / width, torch.zeros_like(width))
-        r = ((v - lo) * scale).reshape(-1)[:n]
         if self.stochastic and _K.backend(flat) == "cuda":
+            lo = torch.nan_to_num(v, nan=float("inf")).amin(dim=1, keepdim=True)
+            hi = torch.nan_to_num(v, nan=float("-inf")).amax(dim=1, keepdim=True)
+            width = hi - lo
+            scale = torch.where(width > 0, 255.0 / width, torch.zeros_like(width))
+            r = ((v - lo) * scale).reshape(-1)[:n]
             levels = torch.arange(256, dtype=torch.float32, device=flat.device)
             codes = _K.quantize_pack(r, levels, 1.0, 8,
                                      seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
             return as_bytes(torch.cat([lo, hi], dim=1).reshape(-1).contiguous(), codes), None
-        if self.stochastic:
-            g = _quant.generator(self.seed, info.step, info.name, info.rank, flat.device)
-            r = (r + _quant.uniform(n, g, flat.device)).floor()
-        else:
-            r = r.round()
-        codes = torch.nan_to_num(r, nan=0.0).clamp_(0, 255).to(torch.uint8)
-        return as_bytes(torch.cat([lo, hi], dim=1).reshape(-1).contiguous(), codes), None
+        k = v.shape[0]
+        payload = _fast.empty(8 * k + n, torch.uint8, flat.device)
+        key = (_fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, flat.device)
+               if self.stochastic else torch.zeros((), dtype=torch.int32, device=flat.device))
+        mm = _ENCODE(n, flat.device, v, key, payload[8 * k:], n, stochastic=bool(self.stochastic))
+        payload[:8 * k].copy_(mm.reshape(-1).view(torch.uint8))
+        return payload, None
 
-    def decode(self, data, ctx, info):
-        n = info.numel
-        if n == 0:
-            return torch.zeros(0, device=data.device)
+    def _split(self, data, n):
         k = _quant.chunks(n, self.chunk)
         mm, off = from_bytes(data, 0, torch.float32, 2 * k)
-        mm = mm.view(k, 2)
+        return mm.view(k, 2), data[off:off + n]
+
+    def decode(self, data, ctx, info):
+        return self.aggregate([data], ctx, info)
+
+    def aggregate(self, datas, ctx, info):
+        n = info.numel
+        dev = datas[0].device if datas else None
+        if n == 0:
+            return torch.zeros(0, device=dev)
+        parts = [self._split(d, n) for d in datas]
+        out = _fast.empty(n, device=dev)
         c = self.chunk if self.chunk > 0 else n
-        codes = _quant.padded_view(data[off:off + n].float(), c)
-        out = mm[:, :1] + codes * ((mm[:, 1:] - mm[:, :1]) / 255.0)
-        return out.reshape(-1)[:n]
+        _DECODE_SUM(n, dev, out, [m for m, _ in parts], [q for _, q in parts], n, c)
+        return out
 
     def wire_bytes(self, numel):
         return 8 * _quant.chunks(numel, self.chunk) + numel

@@ -18,10 +18,47 @@ import torch
 
 from .. import kernels as _K
 from ..options import Option, non_negative
+from . import _fast
 from ._quant import chunk_counts, chunks, padded_view
+from .signsgd import _chunked
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
 from .efsignsgd import warn_if_sgd_momentum
+
+
+def _encode(x, codes_out, *, c: int):
+    """Sign codes (1 iff x >= 0) to ``codes_out``; returns (mean of the negatives, mean of the
+    non-negatives) per chunk of c coordinates, interleaved, float32."""
+    x = x.to(torch.float32)
+    n = x.numel()
+    pos = torch.where(x >= 0, 1.0, 0.0)  # (bool -> uint8 is not vectorised)
+    codes_out.copy_(pos.to(torch.uint8))
+    v = _chunked(x, c)
+    p = _chunked(pos, c)
+    k = v.shape[0]
+    counts = torch.full((k,), float(c), device=x.device)
+    if k * c != n:
+        counts = torch.cat([counts[:-1], torch.full((1,), float(n - (k - 1) * c), device=x.device)])
+    npos = p.sum(1)
+    sp = torch.where(p > 0, v, 0.0).sum(1)
+    sn = v.sum(1) - sp
+    vpos = sp / npos.clamp(min=1)
+    vneg = sn / (counts - npos).clamp(min=1)
+    return torch.stack([vneg, vpos], 1).reshape(-1)
+
+
+def _decode_sum(out, codes_list, neg_list, pos_list, *, c: int):
+    acc = None
+    for codes, vneg, vpos in zip(codes_list, neg_list, pos_list):
+        n = codes.numel()
+        b = _chunked(codes.to(torch.float32), c)
+        x = torch.where(b > 0.5, vpos.view(-1, 1), vneg.view(-1, 1)).reshape(-1)[:n]
+        acc = x if acc is None else acc + x
+    out.copy_(acc)
+
+
+_ENCODE = _fast.Kernel(_encode, "onebit encode")
+_DECODE_SUM = _fast.Kernel(_decode_sum, "onebit decode")
 
 
 @register("onebit")
@@ -40,6 +77,10 @@ class OneBitCompressor(Compressor):
         n = flat.numel()
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device), None
+        if _K.backend(flat) != "cuda":
+            buf = _fast.codes_buffer("onebit", n, flat.device)
+            vals = _ENCODE(n, flat.device, flat, buf[:n], c=self.bucket if self.bucket > 0 else n)
+            return as_bytes(vals, _fast.pack_buffer(buf, n, 1)), None
         pos = flat >= 0
         view = padded_view(flat, self.bucket)
         pview = padded_view(pos, self.bucket, False)
@@ -54,15 +95,31 @@ class OneBitCompressor(Compressor):
         return as_bytes(vals, _K.sign_pack(flat)), None
 
     def decode(self, data, ctx, info):
+        return self.aggregate([data], ctx, info)
+
+    def aggregate(self, datas, ctx, info):
+        """Sum of the ranks' reconstructions (fused on CPU: one write of the dense result)."""
         n = info.numel
+        dev = datas[0].device if datas else None
         if n == 0:
-            return torch.zeros(0, device=data.device)
+            return torch.zeros(0, device=dev)
         c = chunks(n, self.bucket)
-        vals, off = from_bytes(data, 0, torch.float32, 2 * c)
-        bits = _K.unpack_bits(data[off:], 1, n).long()
+        parts = [from_bytes(d, 0, torch.float32, 2 * c) for d in datas]
         size = self.bucket if self.bucket > 0 else n
-        chunk_of = torch.arange(n, device=data.device) // size
-        return vals[2 * chunk_of + bits]
+        if _K.backend(*datas) != "cuda":
+            codes = [_fast.unpack_to_buffer(d[off:], 1, n, f"onebit/{r}") for r, (d, (_, off)) in
+                     enumerate(zip(datas, parts))]
+            out = _fast.empty(n, device=dev)
+            _DECODE_SUM(n, dev, out, codes, [v[0::2].contiguous() for v, _ in parts],
+                        [v[1::2].contiguous() for v, _ in parts], c=size)
+            return out
+        out = None
+        for d, (vals, off) in zip(datas, parts):
+            bits = _K.unpack_bits(d[off:], 1, n).long()
+            chunk_of = torch.arange(n, device=d.device) // size
+            dense = vals[2 * chunk_of + bits]
+            out = dense if out is None else out.add_(dense)
+        return out
 
     def wire_bytes(self, numel):
         return (8 * chunks(numel, self.bucket) + packed_bytes(numel, 1)) if numel else 0

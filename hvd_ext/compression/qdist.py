@@ -43,8 +43,9 @@ Kernels (``hvd_ext.kernels``): codes go through ``kernels.pack_bits`` /
 ``kernels.quantize_pack`` pass of z onto the same levels (round up with
 probability (z - a)/(b - a), the same unbiased rule), its random numbers a
 counter hash seeded by ``derive_seed(seed, name, rank)`` and the step; the CPU
-path keeps its ``torch.Generator`` stream. (NaN inputs: code 0 on CUDA, 2^b - 2
-on CPU; such steps are skipped anyway.)
+path draws the dither from the same counter hash (``_fast.uniform``), in one fused
+pass for up to 16 levels (selects over the level table; more levels: a search).
+(NaN inputs give arbitrary codes; such steps are skipped anyway.)
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ import torch
 
 from .. import kernels as _K
 from ..options import Option, non_negative
-from . import _quant
+from . import _fast, _quant
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
 
@@ -184,6 +185,58 @@ def grid_index(t: float) -> int:
     return k
 
 
+# ---- fused CPU kernels (see ``_fast``) -------------------------------------------------------
+
+def _stats(x):
+    """(mean, std, mean |x - mean|, max |x - mean|) as 0-d float32 tensors, fused."""
+    x = x.to(torch.float32)
+    mu = x.mean()
+    d = x - mu
+    return mu, d.pow(2).mean().sqrt(), d.abs().mean(), d.abs().amax()
+
+
+def _select(z, levels, lo: int, hi: int):
+    """levels[j] for the largest j in lo..hi with levels[j] <= z (levels[lo] if none): a chain of
+    selects over a small level table, exact and vectorisable (no gather, no search)."""
+    out = levels[lo]
+    for j in range(lo + 1, hi + 1):
+        out = torch.where(z >= levels[j], levels[j], out)
+    return out
+
+
+def _round(x, musig, levels, key, codes_out, *, K: int, zero: bool):
+    """Stochastic rounding of z = (x - mu) / sigma onto the K sorted levels (up with probability
+    (z - a) / (b - a), a <= z < b neighbouring levels; outside: the end levels), one-byte codes to
+    ``codes_out``. ``zero``: a degenerate fit, every z is 0."""
+    x = x.to(torch.float32)
+    z = torch.zeros_like(x) if zero else (x - musig[0]) / musig[1]
+    idx = torch.zeros_like(z)
+    for j in range(1, K - 1):
+        idx = idx + torch.where(z >= levels[j], 1.0, 0.0)
+    a = _select(z, levels, 0, K - 2)      # levels[idx]
+    c = levels[1]                          # levels[idx + 1]
+    for j in range(1, K - 1):
+        c = torch.where(z >= levels[j], levels[j + 1], c)
+    width = c - a
+    p = torch.where(width > 0, (z - a) / torch.where(width > 0, width, torch.ones_like(width)),
+                    torch.zeros_like(z)).clamp(0, 1)
+    up = torch.where(_fast.uniform(x.numel(), key, x.device) < p, 1.0, 0.0)
+    codes_out.copy_((idx + up).to(torch.uint8))
+
+
+def _decode(out, codes, levels, musig, *, K: int):
+    c = codes.to(torch.float32)
+    v = levels[0]
+    for j in range(1, K):
+        v = torch.where(c > j - 0.5, levels[j], v)
+    out.copy_(musig[0] + musig[1] * v)
+
+
+_STATS = _fast.Kernel(_stats, "qdist fit")
+_ROUND = _fast.Kernel(_round, "qdist encode")
+_DECODE = _fast.Kernel(_decode, "qdist decode")
+
+
 # ---- the compressor -------------------------------------------------------------------------
 
 @register("qdist")
@@ -209,17 +262,14 @@ class QDistCompressor(Compressor):
     # ---- fitting ----------------------------------------------------------------------------
     def fit(self, flat: torch.Tensor):
         """(dist, mu, sigma, t) of a flat float tensor; t = max|x - mu| / sigma."""
-        mu = flat.mean()
-        d = flat - mu
-        sigma = d.pow(2).mean().sqrt()
+        mu, sigma, mad, dmax = _STATS(flat.numel(), flat.device, flat)
         dist = self.dist
         if dist == "auto":
-            mad = d.abs().mean()
             # Gaussian LL: -log(sigma) - 0.5 log(2 pi e); Laplace LL: -log(2 MAD) - 1
             gauss = -torch.log(sigma) - 0.5 * math.log(2 * math.pi * math.e)
             lap = -torch.log(2 * mad) - 1.0
             dist = "laplace" if bool(lap > gauss) else "gaussian"
-        t = d.abs().max() / sigma if float(sigma) > 0 else torch.zeros(())
+        t = dmax / sigma if float(sigma) > 0 else torch.zeros(())
         return dist, float(mu), float(sigma), float(t)
 
     def bits_for(self, info) -> int:
@@ -295,13 +345,25 @@ class QDistCompressor(Compressor):
                 k = grid_index(t)
                 sig_out = sigma
                 levels = level_table(dist, b, k)[0].to(dev)
-                z = (flat - mu) / sigma
+                z = None  # (flat - mu) / sigma, computed where it is used
             head = as_bytes(torch.tensor([b, DISTS.index(dist)], dtype=torch.uint8, device=dev),
                             torch.tensor([k], dtype=torch.int16, device=dev),
                             torch.tensor([mu, sig_out], dtype=torch.float32, device=dev))
-        if _K.backend(z) == "cuda":
+        if z is None and (_K.backend(flat) == "cuda" or K > 16):
+            z = (flat - mu) / sigma
+        if _K.backend(flat) == "cuda":
             packed = _K.quantize_pack(z, levels, 1.0, b,
                                       seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
+        elif K <= 16:
+            n = flat.numel()
+            key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, dev)
+            musig = torch.tensor([mu, sigma if sigma > 0 else 1.0], dtype=torch.float32) if dist != "empirical" \
+                else torch.tensor([0.0, 1.0])
+            zero = dist != "empirical" and (sigma == 0 or not math.isfinite(sigma) or not math.isfinite(mu)
+                                            or not math.isfinite(t))
+            buf = _fast.codes_buffer("qdist", n, dev)
+            _ROUND(n, dev, flat, musig.to(dev), levels.to(torch.float32), key, buf[:n], K=K, zero=zero)
+            packed = _fast.pack_buffer(buf, n, b)
         else:
             packed = _K.pack_bits(self._round(z, levels, info), b)
         return torch.cat([head, packed]), None
@@ -323,8 +385,8 @@ class QDistCompressor(Compressor):
         width = c - a
         p = torch.where(width > 0, (z - a) / torch.where(width > 0, width, torch.ones_like(width)),
                         torch.zeros_like(z)).clamp_(0, 1)
-        g = _quant.generator(self.seed, info.step, info.name, info.rank, z.device)
-        up = _quant.uniform(z.numel(), g, z.device) < p
+        key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, z.device)
+        up = _fast.uniform(z.numel(), key, z.device) < p
         return (idx + up.long()).to(torch.uint8)
 
     def decode(self, data, ctx, info):
@@ -342,10 +404,15 @@ class QDistCompressor(Compressor):
         k = int(from_bytes(data, 2, torch.int16, 1)[0][0]) & 0xFFFF
         musig, off = from_bytes(data, 4, torch.float32, 2)
         mu, sigma = musig[0], musig[1]
-        codes = _K.unpack_bits(data[off:], b, n).long()
         if float(sigma) == 0 or not math.isfinite(float(sigma)):
             return (mu + sigma * torch.zeros(n, device=data.device)).expand(n).clone()
         levels = level_table(dist, b, k)[0].to(data.device)
+        if _K.backend(data) != "cuda" and K <= 16:
+            codes = _fast.unpack_to_buffer(data[off:], b, n, "qdist/dec")
+            out = _fast.empty(n, device=data.device)
+            _DECODE(n, data.device, out, codes, levels, musig.contiguous(), K=K)
+            return out
+        codes = _K.unpack_bits(data[off:], b, n).long()
         return mu + sigma * levels[codes]
 
     def wire_bytes(self, numel):

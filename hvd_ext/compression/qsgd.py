@@ -18,7 +18,8 @@ Kernels (``hvd_ext.kernels``): codes are packed / unpacked by ``kernels.pack_bit
 one ``kernels.quantize_pack`` pass over the signed level ``+-s|v_i|/norm`` with
 the integer levels ``-s..s`` (the same unbiased rule, code = level + s), its
 random numbers a counter hash seeded by ``derive_seed(seed, name, rank)`` and
-the step; the CPU path keeps its ``torch.Generator`` stream.
+the step; the CPU path draws the
+dither from the same counter hash (``_fast.uniform``) inside one fused pass.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _encode(v, key, codes_out, n: int, *, s: int, l2: bool):
     r = v.abs() / safe * s
     lo = r.floor()
     u = _fast.uniform(v.numel(), key, v.device).view(v.shape)
-    lvl = (lo + (u < r - lo).to(torch.float32)).clamp(max=s)
+    lvl = (lo + torch.where(u < r - lo, 1.0, 0.0)).clamp(max=s)
     signed = torch.where(v < 0, -lvl, lvl) + s
     codes_out.copy_(signed.reshape(-1)[:n].to(torch.uint8))
     return norms.reshape(-1)
@@ -116,6 +117,12 @@ class QSGDCompressor(Compressor):
                                       seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
             return as_bytes(norms.reshape(-1).contiguous(), packed), None
         key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, flat.device)
+        if self.b == 8:  # codes are the payload bytes: write them in place after the norms
+            k = v.shape[0]
+            payload = _fast.empty(4 * k + n, torch.uint8, flat.device)
+            norms = _ENCODE(n, flat.device, v, key, payload[4 * k:], n, s=self.s, l2=self.norm == "l2")
+            payload[:4 * k].copy_(norms.view(torch.uint8))
+            return payload, None
         buf = _fast.codes_buffer("qsgd", n, flat.device)
         norms = _ENCODE(n, flat.device, v, key, buf[:n], n, s=self.s, l2=self.norm == "l2")
         return as_bytes(norms, _fast.pack_buffer(buf, n, self.b)), None

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..options import Option, non_negative, positive
-from ._sparse import SparseCompressor, count_for, split_budget, topk_indices
+from ._sparse import SparseCompressor, abs_score, count_for, split_budget, topk_indices
 from .base import register
 from .topk import COMMON_OPTIONS
 
@@ -42,8 +42,9 @@ class SignificanceCompressor(SparseCompressor):
         split=Option(str, "mass", choices=("mass", "global", "layer"), help="how the budget is split"),
     )
 
-    def score(self, flat: torch.Tensor, info) -> torch.Tensor:
-        s = flat.abs()
+    def score(self, flat: torch.Tensor, info, reuse: bool = False) -> torch.Tensor:
+        """Saliency of every coordinate; ``reuse``: in the thread's reused score buffer (one tensor at a time)."""
+        s = abs_score(flat) if reuse else flat.abs()
         w = info.param
         if self.alpha == 0 or w is None:
             return s
@@ -59,7 +60,7 @@ class SignificanceCompressor(SparseCompressor):
         return topk_indices(score, k)
 
     def select(self, flat, info):
-        return self._select_k(self.score(flat, info), count_for(self.ratio, flat.numel()), info)
+        return self._select_k(self.score(flat, info, reuse=True), count_for(self.ratio, flat.numel()), info)
 
     def prepare_bucket(self, items):
         self._plan = {}

@@ -45,7 +45,7 @@ import torch
 
 from .. import kernels as _K
 from ..options import Option, non_negative
-from . import _quant
+from . import _fast, _quant
 from ._quant import chunk_means, chunks, expand_chunks
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
@@ -81,6 +81,85 @@ def vote_sum(datas, n: int) -> torch.Tensor:
         s = bits_to_sign(d, n)
         votes = s if votes is None else votes.add_(s)
     return torch.sign(votes).mul_(N)
+
+
+# ---- fused CPU paths (see ``_fast``) -------------------------------------------------------------
+
+def _chunked(x, c: int):
+    """(k, c) view of flat x, zero-padded at the end when c does not divide its length."""
+    n = x.numel()
+    k = (n + c - 1) // c
+    if k * c != n:
+        x = torch.nn.functional.pad(x, (0, k * c - n))
+    return x.view(k, c)
+
+
+def _sign_encode(x, codes_out, *, c: int, scales: bool):
+    """One-byte sign codes (1 iff x >= 0; NaN -> 0) to ``codes_out``; with ``scales``, the mean |x|
+    of every chunk of c coordinates (the last one over its own length) in the same pass."""
+    x = x.to(torch.float32)
+    codes_out.copy_(torch.where(x >= 0, 1.0, 0.0).to(torch.uint8))  # (bool -> uint8 is not vectorised)
+    if not scales:
+        return None
+    n = x.numel()
+    sums = _chunked(x.abs(), c).sum(1)
+    k = sums.numel()
+    counts = torch.full((k,), float(c), device=x.device)
+    if k * c != n:
+        counts = torch.cat([counts[:-1], torch.full((1,), float(n - (k - 1) * c), device=x.device)])
+    return sums / counts
+
+
+def _expand(v, scales, c: int):
+    """v (flat, n) times one scale per chunk of c coordinates."""
+    n = v.numel()
+    return (_chunked(v, c) * scales.view(-1, 1)).reshape(-1)[:n]
+
+
+def _vote(out, codes_list, scale_list, *, c: int, vote: bool):
+    """out = N * sign(sum_r sign_r) (0 on ties) [times the ranks' mean scale per chunk], or, with
+    ``vote=False``, sum_r sign_r [times rank r's scale per chunk]."""
+    N = len(codes_list)
+    if vote:
+        cnt = codes_list[0].to(torch.int32)
+        for b in codes_list[1:]:
+            cnt = cnt + b.to(torch.int32)
+        v = torch.sign((2 * cnt - N).to(torch.float32)) * N
+        if scale_list:
+            mean = scale_list[0]
+            for sc in scale_list[1:]:
+                mean = mean + sc
+            v = _expand(v, mean / N, c)
+        out.copy_(v)
+        return
+    acc = None
+    for r, b in enumerate(codes_list):
+        x = b.to(torch.float32) * 2 - 1
+        if scale_list:
+            x = _expand(x, scale_list[r], c)
+        acc = x if acc is None else acc + x
+    out.copy_(acc)
+
+
+SIGN_ENCODE = _fast.Kernel(_sign_encode, "sign encode")
+VOTE = _fast.Kernel(_vote, "sign decode")
+
+
+def sign_compress_cpu(x, bucket: int, scales: bool, purpose: str):
+    """(per-chunk mean |x| or None, packed sign bits) of a flat CPU tensor, fused."""
+    n = x.numel()
+    buf = _fast.codes_buffer(purpose, n, x.device)
+    s = SIGN_ENCODE(n, x.device, x, buf[:n], c=bucket if bucket > 0 else max(n, 1), scales=scales)
+    return s, _fast.pack_buffer(buf, n, 1)
+
+
+def sign_aggregate_cpu(bit_list, scale_list, n: int, bucket: int, vote: bool, purpose: str):
+    """Dense result of N ranks' sign payloads (see ``_vote``), fused; bit_list: packed sign bits."""
+    dev = bit_list[0].device
+    codes = [_fast.unpack_to_buffer(b, 1, n, f"{purpose}/{r}") for r, b in enumerate(bit_list)]
+    out = _fast.empty(n, device=dev)
+    VOTE(n, dev, out, codes, list(scale_list), c=bucket if bucket > 0 else max(n, 1), vote=vote)
+    return out
 
 
 class MajorityVote(Compressor):
@@ -175,6 +254,9 @@ class MajorityVote(Compressor):
 
     def compress(self, tensor, info):
         v = self._vector(tensor, info)
+        if _K.backend(v) != "cuda" and v.numel():
+            s, bits = sign_compress_cpu(v, self.bucket, self.scale == "l1", self.name)
+            return (as_bytes(s, bits) if s is not None else bits), None
         if self.scale == "l1" and v.numel():
             return as_bytes(chunk_means(v.abs(), self.bucket), sign_bits(v)), None
         return sign_bits(v), None
@@ -188,6 +270,9 @@ class MajorityVote(Compressor):
 
     def decode(self, data, ctx, info):
         n = info.numel
+        if n and _K.backend(data) != "cuda":
+            s, bits = self._split(data, n)
+            return sign_aggregate_cpu([bits], [s] if s is not None else [], n, self.bucket, False, self.name)
         s, bits = self._split(data, n)
         sign = bits_to_sign(bits, n)
         return sign if s is None else sign * expand_chunks(s, n, self.bucket)
@@ -197,6 +282,9 @@ class MajorityVote(Compressor):
         if n == 0:
             return torch.zeros(0, device=datas[0].device if datas else None)
         parts = [self._split(d, n) for d in datas]
+        if _K.backend(*datas) != "cuda":
+            return sign_aggregate_cpu([b for _, b in parts], [s for s, _ in parts if s is not None], n,
+                                      self.bucket, True, self.name)
         vote = vote_sum([b for _, b in parts], n)                # N * sign(sum of signs)
         if self.scale != "l1":
             return vote

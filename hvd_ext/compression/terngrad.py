@@ -16,7 +16,8 @@ Kernels (``hvd_ext.kernels``): codes go through ``kernels.pack_bits`` /
 ``unpack_bits``; on CUDA (kernels not forced off) rounding + packing are one
 ``kernels.quantize_pack`` of ``g / s`` onto the levels (-1, 0, 1) (same
 Bernoulli(|g_i|/s) rule, code = t + 1), seeded by ``derive_seed(seed, name,
-rank)`` and the step; the CPU path keeps its ``torch.Generator`` stream.
+rank)`` and the step; the CPU path draws the
+dither from the same counter hash (``_fast.uniform``) inside one fused pass.
 """
 from __future__ import annotations
 
@@ -24,9 +25,37 @@ import torch
 
 from .. import kernels as _K
 from ..options import Option, non_negative
-from . import _quant
+from . import _fast
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
+
+
+def _encode(x, key, codes_out, *, clip: float):
+    """Clip to clip * std (clip > 0), scaler s = max|g|, ternary code sign(g_i) * Bernoulli(|g_i| / s) + 1
+    (one-byte codes written to ``codes_out``), dithered by the counter hash. Returns s."""
+    g = x.to(torch.float32)
+    n = g.numel()
+    if clip > 0 and n > 1:
+        mu = g.mean()
+        c = clip * ((g - mu).pow(2).sum() / (n - 1)).sqrt()
+        g = torch.maximum(torch.minimum(g, c), -c)
+    s = g.abs().amax()
+    p = g.abs() / torch.where(s > 0, s, torch.ones_like(s))
+    keep = _fast.uniform(n, key, g.device) < p
+    codes_out.copy_(torch.where(keep, torch.where(g < 0, 0.0, 2.0), 1.0).to(torch.uint8))
+    return s
+
+
+def _decode_sum(out, scalers, codes_list):
+    acc = None
+    for s, codes in zip(scalers, codes_list):
+        x = (codes.to(torch.float32) - 1) * s
+        acc = x if acc is None else acc + x
+    out.copy_(acc)
+
+
+_ENCODE = _fast.Kernel(_encode, "terngrad encode")
+_DECODE_SUM = _fast.Kernel(_decode_sum, "terngrad decode")
 
 
 @register("terngrad")
@@ -42,28 +71,40 @@ class TernGradCompressor(Compressor):
         n = flat.numel()
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device), None
-        if self.clip > 0 and n > 1:
-            c = self.clip * flat.std()
-            flat = flat.clamp(-c, c)
-        s = flat.abs().max()
         if _K.backend(flat) == "cuda":
+            if self.clip > 0 and n > 1:
+                c = self.clip * flat.std()
+                flat = flat.clamp(-c, c)
+            s = flat.abs().max()
             levels = torch.arange(-1, 2, dtype=torch.float32, device=flat.device)
             packed = _K.quantize_pack(flat / torch.where(s > 0, s, torch.ones_like(s)), levels, 1.0, 2,
                                       seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
             return as_bytes(s.reshape(1), packed), None
-        p = flat.abs() / torch.where(s > 0, s, torch.ones_like(s))
-        g = _quant.generator(self.seed, info.step, info.name, info.rank, flat.device)
-        keep = (_quant.uniform(n, g, flat.device) < p)
-        t = torch.where(keep, torch.sign(flat), torch.zeros_like(flat))
-        codes = (t + 1).to(torch.uint8)
-        return as_bytes(s.reshape(1), _K.pack_bits(codes, 2)), None
+        key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, flat.device)
+        buf = _fast.codes_buffer("terngrad", n, flat.device)
+        s = _ENCODE(n, flat.device, tensor.reshape(-1), key, buf[:n], clip=float(self.clip))
+        return as_bytes(s.reshape(1), _fast.pack_buffer(buf, n, 2)), None
 
     def decode(self, data, ctx, info):
+        return self.aggregate([data], ctx, info)
+
+    def aggregate(self, datas, ctx, info):
         n = info.numel
+        dev = datas[0].device if datas else None
         if n == 0:
-            return torch.zeros(0, device=data.device)
-        s, off = from_bytes(data, 0, torch.float32, 1)
-        return (_K.unpack_bits(data[off:], 2, n).float() - 1) * s
+            return torch.zeros(0, device=dev)
+        parts = [from_bytes(d, 0, torch.float32, 1) for d in datas]
+        if _K.backend(*datas) == "cuda":
+            out = None
+            for d, (s, off) in zip(datas, parts):
+                dense = (_K.unpack_bits(d[off:], 2, n).float() - 1) * s
+                out = dense if out is None else out.add_(dense)
+            return out
+        codes = [_fast.unpack_to_buffer(d[off:], 2, n, f"terngrad/{r}") for r, (d, (_, off)) in
+                 enumerate(zip(datas, parts))]
+        out = _fast.empty(n, device=dev)
+        _DECODE_SUM(n, dev, out, [s for s, _ in parts], codes)
+        return out
 
     def wire_bytes(self, numel):
         return (4 + packed_bytes(numel, 2)) if numel else 0

@@ -10,7 +10,7 @@ exceed the dense size when tau is small), so ``wire_bytes`` is None.
 from __future__ import annotations
 
 from ..options import Option, positive
-from ._sparse import SparseCompressor
+from ._sparse import SparseCompressor, abs_score, indices_where
 from .base import register
 
 
@@ -22,4 +22,4 @@ class ThresholdCompressor(SparseCompressor):
     }
 
     def select(self, flat, info):
-        return (flat.abs() > self.tau).nonzero().squeeze(1)
+        return indices_where(abs_score(flat), self.tau, strict=True)

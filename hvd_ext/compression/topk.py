@@ -29,7 +29,7 @@ indices per 65536-chunk or int32). ``mode=exact,scope=layer`` has a fixed size,
 from __future__ import annotations
 
 from ..options import Option, fraction, non_negative
-from ._sparse import SparseCompressor, count_for, payload_bytes, topk_indices
+from ._sparse import SparseCompressor, abs_score, count_for, payload_bytes, topk_indices
 from .base import register
 
 COMMON_OPTIONS = {
@@ -57,7 +57,7 @@ class TopKCompressor(SparseCompressor):
         return topk_indices(score, k)
 
     def select(self, flat, info):
-        return self.select_k(flat.abs(), count_for(self.ratio, flat.numel()), info)
+        return self.select_k(abs_score(flat), count_for(self.ratio, flat.numel()), info)
 
     def prepare_bucket(self, items):
         """scope=model: plan one top-k over the concatenated |u| of the bucket."""

@@ -1,0 +1,115 @@
+"""Properties of the fast CPU codec paths (``hvd_ext.compression._fast``): the counter hash, the
+word-parallel bit packing, the candidate top-k and mask scan, and that compiled kernels (inductor)
+compute what the eager functions compute. Speed itself is measured by benchmarks/throughput.py,
+not here."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvd_ext import kernels as K
+from hvd_ext.compression import _fast, _sparse, bitpack, compression_from_spec
+from hvd_ext.compression.base import TensorInfo
+
+
+def test_uniform_is_the_kernels_counter_hash():
+    key = _fast.stream_key_tensor(3, "layer.weight", 1, 17)
+    key_int = K.stream_key(K.derive_seed(3, "layer.weight", 1), 17)
+    n = 10007
+    ours = _fast.uniform(n, key)
+    ref = K.uniform(key_int, torch.arange(n, dtype=torch.int64))
+    assert torch.equal(ours, ref)
+    assert 0 <= float(ours.min()) and float(ours.max()) < 1
+    assert abs(float(ours.mean()) - 0.5) < 0.01
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_word_packing_follows_the_bit_order_contract(bits):
+    g = torch.Generator().manual_seed(bits)
+    for n in (1, 5, 8, 9, 63, 64, 1001):
+        codes = torch.randint(0, 2 ** bits, (n,), generator=g).to(torch.uint8)
+        buf = _fast.codes_buffer("test", n, "cpu")
+        buf[:n].copy_(codes)
+        packed = _fast.pack_buffer(buf, n, bits)
+        ref = bitpack.pack_bits(codes, bits)
+        assert torch.equal(packed, ref), (bits, n)
+        assert torch.equal(_fast.unpack_to_buffer(ref, bits, n, "test/u"), codes)
+        shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), ref])[3:]  # unaligned storage
+        assert torch.equal(_fast.unpack_to_buffer(shifted, bits, n, "test/u"), codes)
+
+
+def test_candidate_topk_is_exact_with_ties():
+    g = torch.Generator().manual_seed(0)
+    n = 300_000
+    for score in (torch.randn(n, generator=g).abs(),
+                  torch.randint(0, 50, (n,), generator=g).float(),   # many ties at the threshold
+                  torch.zeros(n)):
+        for k in (1, 100, 3000, n // 9):
+            fast = _sparse.topk_indices(score, k)
+            ref = _sparse._topk_small(score, k)
+            assert torch.equal(fast, ref), k
+    nan = torch.rand(n, generator=g)
+    nan[7] = float("nan")
+    assert torch.equal(_sparse.topk_indices(nan, 50), _sparse._topk_small(nan, 50))
+
+
+def test_indices_where_matches_nonzero():
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(100_003, generator=g)
+    for thr in (0.0, 0.5, 0.999, 1.0):
+        assert torch.equal(_sparse.indices_where(x, thr), (x >= thr).nonzero().squeeze(1))
+        assert torch.equal(_sparse.indices_where(x, thr, strict=True), (x > thr).nonzero().squeeze(1))
+
+
+SPECS = ["qsgd:bits=4", "qsgd:bits=8", "qsgd:bits=3,bucket=0", "terngrad", "int8", "int8:stochastic=1",
+         "signsgd", "signsgd:scale=none", "efsignsgd", "onebit", "qdist:bits=3", "qdist:bits=2,dist=empirical"]
+
+
+def _round_trip(spec, x):
+    comp = compression_from_spec(spec)
+    infos = [TensorInfo(name="w", shape=x.shape, step=4, rank=r, size=2) for r in range(2)]
+    payloads = [comp.compress(x * (1 + r), i)[0] for r, i in enumerate(infos)]
+    return payloads, comp.aggregate(payloads, None, infos[0]), comp.decode(payloads[0], None, infos[0])
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    try:
+        torch.compile(lambda t: t + 1)(torch.ones(3))
+    except Exception as e:  # no C++ compiler here: the eager path is all there is
+        pytest.skip(f"torch.compile unavailable: {e}")
+    monkeypatch.setattr(_fast, "_SETTING", "1")
+    yield
+    monkeypatch.setattr(_fast, "_SETTING", "0")
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_compiled_kernels_compute_the_eager_result(compiled, monkeypatch, spec):
+    x = torch.distributions.Laplace(0.0, 1e-2).sample((3 * 4096 + 5,))
+    p_c, agg_c, dec_c = _round_trip(spec, x)
+    monkeypatch.setattr(_fast, "_SETTING", "0")
+    p_e, agg_e, dec_e = _round_trip(spec, x)
+    for a, b in zip(p_c, p_e):
+        assert a.numel() == b.numel()
+        # float reductions (norms, means) may round differently compiled; codes then rarely differ
+        assert (a != b).float().mean() < 1e-3, spec
+    scale = float(agg_e.abs().max()) + 1e-12
+    assert float((agg_c - agg_e).abs().max()) <= 1e-3 * scale, spec
+    assert float((dec_c - dec_e).abs().max()) <= 1e-3 * scale, spec
+
+
+@pytest.mark.parametrize("spec", ["qsgd:bits=4", "terngrad", "int8:stochastic=1", "qdist:bits=3"])
+def test_counter_hash_rounding_is_unbiased(spec):
+    """Mean over steps (independent streams) of the decoded value approaches the input."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2000, generator=g) * 0.01
+    comp = compression_from_spec(spec + ("" if spec == "int8:stochastic=1" else ""))
+    if spec == "terngrad":
+        comp = compression_from_spec("terngrad:clip=0")
+    acc = torch.zeros_like(x)
+    steps = 400
+    for step in range(steps):
+        info = TensorInfo(name="w", shape=x.shape, step=step, rank=0, size=1)
+        acc += comp.decode(comp.compress(x, info)[0], None, info)
+    err = (acc / steps - x).abs().mean() / x.abs().mean()
+    assert err < 0.1, (spec, float(err))
