@@ -285,6 +285,20 @@ def scratch(purpose: str, numel: int, dtype: torch.dtype, device) -> torch.Tenso
     return buf[:numel]
 
 
+def padded(codes: torch.Tensor, total: int, purpose: str) -> torch.Tensor:
+    """``codes`` followed by zeros up to ``total`` elements, in a reused buffer (``codes`` itself when
+    it already has ``total``). Kernels get whole (k, c) chunk grids this way: they never slice a
+    padded grid back to n inside (inductor dropped the partial last chunk of such a slice written to
+    an output once), the caller slices the result."""
+    n = codes.numel()
+    if n == total:
+        return codes
+    buf = scratch(purpose, total, codes.dtype, codes.device)
+    buf[:n].copy_(codes)
+    buf[n:].zero_()
+    return buf
+
+
 _PACK = Kernel(_pack_words, "bit packing")
 _UNPACK = Kernel(_unpack_words, "bit unpacking")
 

@@ -23,7 +23,7 @@ from . import _fast, _quant
 from .base import Compressor, as_bytes, from_bytes, register
 
 
-def _encode(v, key, codes_out, n: int, *, stochastic: bool):
+def _encode(v, key, codes_out, *, stochastic: bool):
     """(k, c) chunks (NaN-padded) -> (k, 2) float32 (min, max); writes the n byte codes
     round(255 (x - min) / (max - min)) (stochastic: floor(. + u), u from the counter hash) to
     ``codes_out``. One fused pass after the min/max reduction."""
@@ -32,23 +32,22 @@ def _encode(v, key, codes_out, n: int, *, stochastic: bool):
     hi = torch.where(nan, float("-inf"), v).amax(dim=1, keepdim=True)
     width = hi - lo
     scale = torch.where(width > 0, 255.0 / width, torch.zeros_like(width))
-    r = ((v - lo) * scale).reshape(-1)[:n]
+    r = ((v - lo) * scale).reshape(-1)  # all k*c codes: the caller drops the padding
     if stochastic:
-        r = (r + _fast.uniform(n, key, v.device)).floor()
+        r = (r + _fast.uniform(r.numel(), key, v.device)).floor()
     else:
         r = r.round()
     codes_out.copy_(torch.where(r == r, r, 0.0).clamp(0, 255).to(torch.uint8))
     return torch.cat([lo, hi], dim=1)
 
 
-def _decode_sum(out, mms, codes_list, n: int, c: int):
+def _decode_sum(out, mms, codes_list, c: int):
+    """out = sum over ranks of min + code * (max - min) / 255, over whole chunks of c."""
     acc = None
     for mm, codes in zip(mms, codes_list):
         k = mm.shape[0]
-        x = codes.to(torch.float32)
-        if k * c != n:
-            x = torch.nn.functional.pad(x, (0, k * c - n))
-        x = (mm[:, :1] + x.view(k, c) * ((mm[:, 1:] - mm[:, :1]) / 255.0)).reshape(-1)[:n]
+        x = codes.to(torch.float32).view(k, c)
+        x = (mm[:, :1] + x * ((mm[:, 1:] - mm[:, :1]) / 255.0)).reshape(-1)
         acc = x if acc is None else acc + x
     out.copy_(acc)
 
@@ -89,7 +88,11 @@ class Int8Compressor(Compressor):
         payload = _fast.empty(8 * k + n, torch.uint8, flat.device)
         key = (_fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, flat.device)
                if self.stochastic else torch.zeros((), dtype=torch.int32, device=flat.device))
-        mm = _ENCODE(n, flat.device, v, key, payload[8 * k:], n, stochastic=bool(self.stochastic))
+        whole = v.numel() == n
+        codes = payload[8 * k:] if whole else _fast.scratch("int8", v.numel(), torch.uint8, flat.device)
+        mm = _ENCODE(n, flat.device, v, key, codes, stochastic=bool(self.stochastic))
+        if not whole:
+            payload[8 * k:].copy_(codes[:n])
         payload[:8 * k].copy_(mm.reshape(-1).view(torch.uint8))
         return payload, None
 
@@ -107,10 +110,12 @@ class Int8Compressor(Compressor):
         if n == 0:
             return torch.zeros(0, device=dev)
         parts = [self._split(d, n) for d in datas]
-        out = _fast.empty(n, device=dev)
         c = self.chunk if self.chunk > 0 else n
-        _DECODE_SUM(n, dev, out, [m for m, _ in parts], [q for _, q in parts], n, c)
-        return out
+        total = parts[0][0].shape[0] * c
+        out = _fast.empty(total, device=dev)
+        _DECODE_SUM(n, dev, out, [m for m, _ in parts],
+                    [_fast.padded(q, total, f"int8/pad{r}") for r, (_, q) in enumerate(parts)], c)
+        return out[:n]
 
     def wire_bytes(self, numel):
         return 8 * _quant.chunks(numel, self.chunk) + numel

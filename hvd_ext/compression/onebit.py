@@ -49,10 +49,9 @@ def _encode(x, codes_out, *, c: int):
 
 def _decode_sum(out, codes_list, neg_list, pos_list, *, c: int):
     acc = None
-    for codes, vneg, vpos in zip(codes_list, neg_list, pos_list):
-        n = codes.numel()
-        b = _chunked(codes.to(torch.float32), c)
-        x = torch.where(b > 0.5, vpos.view(-1, 1), vneg.view(-1, 1)).reshape(-1)[:n]
+    for codes, vneg, vpos in zip(codes_list, neg_list, pos_list):  # codes: whole chunks of c
+        b = codes.to(torch.float32).view(-1, c)
+        x = torch.where(b > 0.5, vpos.view(-1, 1), vneg.view(-1, 1)).reshape(-1)
         acc = x if acc is None else acc + x
     out.copy_(acc)
 
@@ -107,12 +106,13 @@ class OneBitCompressor(Compressor):
         parts = [from_bytes(d, 0, torch.float32, 2 * c) for d in datas]
         size = self.bucket if self.bucket > 0 else n
         if _K.backend(*datas) != "cuda":
-            codes = [_fast.unpack_to_buffer(d[off:], 1, n, f"onebit/{r}") for r, (d, (_, off)) in
-                     enumerate(zip(datas, parts))]
-            out = _fast.empty(n, device=dev)
+            total = c * size  # whole chunks; the padding is dropped below
+            codes = [_fast.padded(_fast.unpack_to_buffer(d[off:], 1, n, f"onebit/{r}"), total, f"onebit/pad{r}")
+                     for r, (d, (_, off)) in enumerate(zip(datas, parts))]
+            out = _fast.empty(total, device=dev)
             _DECODE_SUM(n, dev, out, codes, [v[0::2].contiguous() for v, _ in parts],
                         [v[1::2].contiguous() for v, _ in parts], c=size)
-            return out
+            return out[:n]
         out = None
         for d, (vals, off) in zip(datas, parts):
             bits = _K.unpack_bits(d[off:], 1, n).long()

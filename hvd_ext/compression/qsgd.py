@@ -44,24 +44,24 @@ def _encode(v, key, codes_out, n: int, *, s: int, l2: bool):
     u = _fast.uniform(v.numel(), key, v.device).view(v.shape)
     lvl = (lo + torch.where(u < r - lo, 1.0, 0.0)).clamp(max=s)
     signed = torch.where(v < 0, -lvl, lvl) + s
-    codes_out.copy_(signed.reshape(-1)[:n].to(torch.uint8))
+    # all k*c codes (padding included): a copy of a slice [:n] lost the last partial bucket once
+    # compiled, so the caller keeps the padded tail out of the packed stream instead
+    codes_out.copy_(signed.reshape(-1).to(torch.uint8))
     return norms.reshape(-1)
 
 
-def _dequantize(norms, codes, n: int, c: int, s: int):
-    """one-byte codes (level + s) of n elements in buckets of c -> float32 values norm * level / s."""
+def _dequantize(norms, codes, c: int, s: int):
+    """one-byte codes (level + s) of whole buckets of c -> float32 values norm * level / s."""
     k = norms.numel()
-    x = codes[:n].to(torch.float32) - s
-    if k * c != n:
-        x = torch.nn.functional.pad(x, (0, k * c - n))
-    return (x.view(k, c) * (norms / s).view(k, 1)).reshape(-1)[:n]
+    x = codes.to(torch.float32) - s
+    return (x.view(k, c) * (norms / s).view(k, 1)).reshape(-1)
 
 
-def _decode_sum(out, norms_list, codes_list, n: int, c: int, *, s: int):
+def _decode_sum(out, norms_list, codes_list, c: int, *, s: int):
     """out = sum over ranks of the dequantized codes (one fused pass, one write of the result)."""
     acc = None
     for norms, codes in zip(norms_list, codes_list):
-        x = _dequantize(norms, codes, n, c, s)
+        x = _dequantize(norms, codes, c, s)
         acc = x if acc is None else acc + x
     out.copy_(acc)
 
@@ -117,15 +117,17 @@ class QSGDCompressor(Compressor):
                                       seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
             return as_bytes(norms.reshape(-1).contiguous(), packed), None
         key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, flat.device)
-        if self.b == 8:  # codes are the payload bytes: write them in place after the norms
-            k = v.shape[0]
+        k = v.shape[0]
+        if self.b == 8 and k * v.shape[1] == n:  # codes are the payload bytes: write them after the norms
             payload = _fast.empty(4 * k + n, torch.uint8, flat.device)
             norms = _ENCODE(n, flat.device, v, key, payload[4 * k:], n, s=self.s, l2=self.norm == "l2")
             payload[:4 * k].copy_(norms.view(torch.uint8))
             return payload, None
-        buf = _fast.codes_buffer("qsgd", n, flat.device)
-        norms = _ENCODE(n, flat.device, v, key, buf[:n], n, s=self.s, l2=self.norm == "l2")
-        return as_bytes(norms, _fast.pack_buffer(buf, n, self.b)), None
+        m = max(v.numel(), 8 * ((n + 7) // 8))
+        buf = _fast.scratch("qsgd", m, torch.uint8, flat.device)
+        norms = _ENCODE(n, flat.device, v, key, buf[:v.numel()], n, s=self.s, l2=self.norm == "l2")
+        buf[n:].zero_()
+        return as_bytes(norms, _fast.pack_buffer(buf[:8 * ((n + 7) // 8)], n, self.b)), None
 
     def _split(self, data, n):
         norms, off = from_bytes(data, 0, torch.float32, _quant.chunks(n, self.bucket))
@@ -144,13 +146,19 @@ class QSGDCompressor(Compressor):
         if _K.backend(*datas) == "cuda":
             out = None
             for norms, codes in parts:
-                dense = _dequantize(norms, _K.unpack_bits(codes, self.b, n), n, c, self.s)
+                codes = _K.unpack_bits(codes, self.b, n)
+                total = norms.numel() * c
+                if total != n:
+                    codes = torch.cat([codes, codes.new_zeros(total - n)])
+                dense = _dequantize(norms, codes, c, self.s)[:n]
                 out = dense if out is None else out.add_(dense)
             return out
-        codes = [_fast.unpack_to_buffer(d, self.b, n, f"qsgd/{r}") for r, (_, d) in enumerate(parts)]
-        out = _fast.empty(n, device=dev)
-        _DECODE_SUM(n, dev, out, [p[0] for p in parts], codes, n, c, s=self.s)
-        return out
+        total = parts[0][0].numel() * c
+        codes = [_fast.padded(_fast.unpack_to_buffer(d, self.b, n, f"qsgd/{r}"), total, f"qsgd/pad{r}")
+                 for r, (_, d) in enumerate(parts)]
+        out = _fast.empty(total, device=dev)
+        _DECODE_SUM(n, dev, out, [p[0] for p in parts], codes, c, s=self.s)
+        return out[:n]
 
     def wire_bytes(self, numel):
         return 4 * _quant.chunks(numel, self.bucket) + packed_bytes(numel, self.b)

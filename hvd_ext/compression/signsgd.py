@@ -111,9 +111,8 @@ def _sign_encode(x, codes_out, *, c: int, scales: bool):
 
 
 def _expand(v, scales, c: int):
-    """v (flat, n) times one scale per chunk of c coordinates."""
-    n = v.numel()
-    return (_chunked(v, c) * scales.view(-1, 1)).reshape(-1)[:n]
+    """v (flat, whole chunks of c coordinates) times one scale per chunk."""
+    return (v.view(-1, c) * scales.view(-1, 1)).reshape(-1)
 
 
 def _vote(out, codes_list, scale_list, *, c: int, vote: bool):
@@ -156,10 +155,13 @@ def sign_compress_cpu(x, bucket: int, scales: bool, purpose: str):
 def sign_aggregate_cpu(bit_list, scale_list, n: int, bucket: int, vote: bool, purpose: str):
     """Dense result of N ranks' sign payloads (see ``_vote``), fused; bit_list: packed sign bits."""
     dev = bit_list[0].device
-    codes = [_fast.unpack_to_buffer(b, 1, n, f"{purpose}/{r}") for r, b in enumerate(bit_list)]
-    out = _fast.empty(n, device=dev)
-    VOTE(n, dev, out, codes, list(scale_list), c=bucket if bucket > 0 else max(n, 1), vote=vote)
-    return out
+    c = bucket if bucket > 0 else max(n, 1)
+    total = scale_list[0].numel() * c if scale_list else n  # whole chunks; the padding is dropped below
+    codes = [_fast.padded(_fast.unpack_to_buffer(b, 1, n, f"{purpose}/{r}"), total, f"{purpose}/pad{r}")
+             for r, b in enumerate(bit_list)]
+    out = _fast.empty(total, device=dev)
+    VOTE(n, dev, out, codes, list(scale_list), c=c, vote=vote)
+    return out[:n]
 
 
 class MajorityVote(Compressor):
