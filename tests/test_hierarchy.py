@@ -406,3 +406,10 @@ def test_compare_nodes_plans():
     assert "HOROVOD_HIERARCHICAL_ALLREDUCE" not in plans["horovod"]["env"]
     assert plans["qsgd:bits=8"]["routes"] == ["node:allgather"]
     assert compare.testbed_prefix(a)[1:7] == ["--nodes", "2", "--ranks-per-node", "2", "--inter", "300mbit"]
+
+
+def test_elastic_jobs_stay_flat(monkeypatch):
+    """Under Horovod elastic the world (and its nodes) can change and construction must not communicate."""
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    assert choose_route(hvd_ext.compression_from_spec("qsgd:bits=8"), "auto", 10 ** 6, 4,
+                        exchange=_Ex(Topology(0, 2, 0, 2))) == "twophase"

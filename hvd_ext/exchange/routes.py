@@ -29,6 +29,7 @@ every rank of a homogeneous job), so every rank builds the same routes.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -208,6 +209,8 @@ def node_aware_reason(comp: Compressor, exchange: Optional[Exchange]) -> Optiona
     else why not (the same on every rank)."""
     if getattr(comp, "hierarchy", "auto") == "flat":
         return "hierarchy=flat"
+    if os.environ.get("HOROVOD_ELASTIC", "0").strip() not in ("", "0"):
+        return "elastic job: the node layout can change, and no collective may run at construction"
     topo = exchange.topology() if exchange is not None else None
     if topo is None or not topo.multi_node:
         return "one node, one rank per node, or nodes of different sizes"
