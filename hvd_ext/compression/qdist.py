@@ -224,12 +224,17 @@ def _round(x, musig, levels, key, codes_out, *, K: int, zero: bool):
     codes_out.copy_((idx + up).to(torch.uint8))
 
 
-def _decode(out, codes, levels, musig, *, K: int):
-    c = codes.to(torch.float32)
-    v = levels[0]
-    for j in range(1, K):
-        v = torch.where(c > j - 0.5, levels[j], v)
-    out.copy_(musig[0] + musig[1] * v)
+def _decode(out, codes_list, levels_list, musig_list, *, K: int):
+    """out = sum over ranks of mu + sigma * levels[code] (selects over the small level table)."""
+    acc = None
+    for codes, levels, musig in zip(codes_list, levels_list, musig_list):
+        c = codes.to(torch.float32)
+        v = levels[0]
+        for j in range(1, K):
+            v = torch.where(c > j - 0.5, levels[j], v)
+        x = musig[0] + musig[1] * v
+        acc = x if acc is None else acc + x
+    out.copy_(acc)
 
 
 _STATS = _fast.Kernel(_stats, "qdist fit")
@@ -408,12 +413,46 @@ class QDistCompressor(Compressor):
             return (mu + sigma * torch.zeros(n, device=data.device)).expand(n).clone()
         levels = level_table(dist, b, k)[0].to(data.device)
         if _K.backend(data) != "cuda" and K <= 16:
-            codes = _fast.unpack_to_buffer(data[off:], b, n, "qdist/dec")
-            out = _fast.empty(n, device=data.device)
-            _DECODE(n, data.device, out, codes, levels, musig.contiguous(), K=K)
-            return out
+            return self.aggregate([data], ctx, info)
         codes = _K.unpack_bits(data[off:], b, n).long()
         return mu + sigma * levels[codes]
+
+    def _fused_parts(self, datas, n):
+        """[(codes, levels, (mu, sigma))] of every rank for the fused CPU sum, or None when a payload
+        needs the general path (CUDA, more than 16 levels, ranks with different bits, a degenerate fit)."""
+        if not datas or _K.backend(*datas) == "cuda":
+            return None
+        parts = []
+        for r, data in enumerate(datas):
+            b, dcode = int(data[0]), int(data[1])
+            if not 1 <= b <= 4 or dcode >= len(DISTS) or (parts and b != parts[0][3]):
+                return None
+            K = 2 ** b
+            if DISTS[dcode] == "empirical":
+                levels, off = from_bytes(data, 4, torch.float32, K)
+                musig = torch.tensor([0.0, 1.0], device=data.device)
+            else:
+                k = int(from_bytes(data, 2, torch.int16, 1)[0][0]) & 0xFFFF
+                musig, off = from_bytes(data, 4, torch.float32, 2)
+                sigma = float(musig[1])
+                if sigma == 0 or not math.isfinite(sigma):
+                    return None
+                levels = level_table(DISTS[dcode], b, k)[0].to(data.device)
+            parts.append((_fast.unpack_to_buffer(data[off:], b, n, f"qdist/{r}"), levels.contiguous(),
+                          musig.contiguous(), b))
+        return parts
+
+    def aggregate(self, datas, ctx, info):
+        """Sum of the ranks' decoded payloads; on CPU one fused pass over all ranks."""
+        n = info.numel
+        parts = self._fused_parts(datas, n) if n else None
+        if parts is None:
+            return super().aggregate(datas, ctx, info)
+        dev = datas[0].device
+        out = _fast.empty(n, device=dev)
+        _DECODE(n, dev, out, [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts],
+                K=2 ** parts[0][3])
+        return out
 
     def wire_bytes(self, numel):
         if self.budget:
