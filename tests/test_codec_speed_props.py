@@ -15,10 +15,10 @@ from hvd_ext.compression.base import TensorInfo
 def test_uniform_is_the_kernels_counter_hash():
     key = _fast.stream_key_tensor(3, "layer.weight", 1, 17)
     key_int = K.stream_key(K.derive_seed(3, "layer.weight", 1), 17)
-    n = 10007
-    ours = _fast.uniform(n, key)
-    ref = K.uniform(key_int, torch.arange(n, dtype=torch.int64))
-    assert torch.equal(ours, ref)
+    for n in (10007, 70001):  # the whole-tensor and the in-place eager forms
+        ours = _fast.uniform(n, key)
+        ref = K.uniform(key_int, torch.arange(n, dtype=torch.int64))
+        assert torch.equal(ours, ref)
     assert 0 <= float(ours.min()) and float(ours.max()) < 1
     assert abs(float(ours.mean()) - 0.5) < 0.01
 

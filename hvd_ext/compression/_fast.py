@@ -163,8 +163,25 @@ def hash32(i: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 def uniform(numel: int, key: torch.Tensor, device=None) -> torch.Tensor:
     """float32 uniform numbers in [0, 1) with 24 random bits: element i is ``hash32(i, key) >> 8`` / 2^24
     (equal to ``kernels.uniform(key, arange(numel))``)."""
+    if numel >= (1 << 16) and not torch.compiler.is_compiling():
+        return _uniform_inplace(numel, key, device)
     i = torch.arange(numel, dtype=torch.int32, device=device)
     return ((hash32(i, key) >> 8) & 0xFFFFFF).to(torch.float32) * (2.0 ** -24)
+
+
+def _uniform_inplace(numel: int, key: torch.Tensor, device=None) -> torch.Tensor:
+    """Eager :func:`uniform` for large tensors: the same hash on one int32 buffer and one temporary,
+    in place (the eager fallback would otherwise map a fresh temporary per operation)."""
+    h = torch.arange(numel, dtype=torch.int32, device=device)
+    t = torch.empty_like(h)
+    h.bitwise_xor_(key)
+    for shift, mask, mul in ((16, 0xFFFF, _C1), (15, 0x1FFFF, _C2), (16, 0xFFFF, None)):
+        torch.bitwise_right_shift(h, shift, out=t)
+        h.bitwise_xor_(t.bitwise_and_(mask))
+        if mul is not None:
+            h.mul_(mul)
+    h.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
+    return h.to(torch.float32).mul_(2.0 ** -24)
 
 
 # ---- bit packing: eight codes per 64-bit word ----------------------------------------------------
