@@ -464,6 +464,12 @@ class _DistributedMixin:
         self.stats.record(bytes_sent=now[0] - last[0], bytes_received=now[1] - last[1],
                           comm_wait_s=now[2] - last[2], compress_s=now[3] - last[3],
                           skipped=skipped, exchanged=exchanged)
+        extra = self.stats.extra
+        extra["routes"] = self._pipeline.routes if hasattr(self._pipeline, "routes") else []
+        extra["wire_by_link"] = dict(getattr(ex, "wire_by_link", {}) or {})
+        auto = getattr(self._pipeline, "auto", None)
+        if auto is not None:  # compression="auto": its choice, link and predicted vs measured times
+            extra["auto"] = auto.report()
 
     @contextmanager
     def skip_synchronize(self):

@@ -262,9 +262,15 @@ class Exchange:
             for i, sz in zip(idxs, sizes):
                 result[i] = flat[off:off + sz]
                 off += sz
+            if flat.is_floating_point():
+                # One reduction pass per buffer (a NaN/Inf on any rank makes the reduced sum
+                # non-finite); only a non-finite total pays for the exact elementwise test.
+                # The trailing flag element is part of the buffer, so this also reads it.
+                total = flat.sum(dtype=torch.float32)
+                if not bool(torch.isfinite(total)):
+                    nonfinite = nonfinite or not bool(torch.isfinite(flat).all())
             if has_flag:
-                flag = flat[off]
-                nonfinite = bool(flag.item() != 0) or not bool(torch.isfinite(flag).item())
+                nonfinite = nonfinite or bool(flat[off].item() != 0)
         return result, nonfinite
 
     # ---- allgather -----------------------------------------------------------------
