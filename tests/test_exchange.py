@@ -19,24 +19,9 @@ from hvd_ext.exchange.routes import choose_route
 from hvd_ext.exchange.sparse_rs import decode_pairs, encode_pairs
 from hvd_ext.exchange.twophase import segments
 
+from simgrads import SHAPES, make_grads, mean_of, relerr
+
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {"w1": (60, 50), "b1": (60,), "w2": (7, 60), "b2": (7,)}
-
-
-def make_grads(size, steps, seed=0, shapes=SHAPES):
-    g = torch.Generator().manual_seed(seed)
-    return [[{k: torch.randn(*s, generator=g) for k, s in shapes.items()} for _ in range(size)]
-            for _ in range(steps)]
-
-
-def mean_of(grads, step, size):
-    return {k: sum(grads[step][r][k] for r in range(size)) / size for k in grads[0][0]}
-
-
-def relerr(a, b):
-    num = sum(float(((a[k] - b[k]) ** 2).sum()) for k in a)
-    den = sum(float((b[k] ** 2).sum()) for k in b)
-    return num / den
 
 
 # ---- one seam ------------------------------------------------------------------------------------

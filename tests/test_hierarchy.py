@@ -26,24 +26,11 @@ from hvd_ext.exchange.harness import run_pipeline
 from hvd_ext.exchange.routes import choose_route
 from hvd_ext.exchange.transport import Topology, layout_sets
 
+from simgrads import SHAPES, make_grads, mean_of, relerr
+
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {"w1": (60, 50), "b1": (60,), "w2": (7, 60), "b2": (7,)}
 ORDER = list(reversed(list(SHAPES)))  # one bucket, filled in reverse parameter order
 LAYOUTS = [(4, 2), (6, 3)]           # (N, ranks per node): 2 nodes x 2, 2 nodes x 3
-
-
-def make_grads(size, steps, seed=0, shapes=SHAPES):
-    g = torch.Generator().manual_seed(seed)
-    return [[{k: torch.randn(*s, generator=g) for k, s in shapes.items()} for _ in range(size)]
-            for _ in range(steps)]
-
-
-def mean_of(grads, step, size):
-    return {k: sum(grads[step][r][k] for r in range(size)) / size for k in grads[0][0]}
-
-
-def relerr(a, b):
-    return (sum(float(((a[k] - b[k]) ** 2).sum()) for k in a) / sum(float((b[k] ** 2).sum()) for k in b))
 
 
 def with_key(spec, kv):

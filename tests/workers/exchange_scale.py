@@ -12,10 +12,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import emit  # noqa: E402
+from common import emit, exchanged_steps  # noqa: E402
 from hvd_ext.exchange.harness import run_pipeline  # noqa: E402
 
 hvd.init()
@@ -39,20 +38,7 @@ for spec in SPECS:
                                        named_parameters=m.named_parameters(), compression=spec)
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     names = [n for n, _ in m.named_parameters()]
-    raw, real, recv = [], [], []
-    for step in range(3):
-        g = torch.Generator().manual_seed(100 * RANK + step)
-        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 5, (16,), generator=g)
-        opt.zero_grad()
-        F.cross_entropy(m(x), y).backward()
-        # the raw local gradients, before the exchange overwrites them: recompute on a copy
-        m2 = model()
-        m2.load_state_dict(m.state_dict())
-        F.cross_entropy(m2(x), y).backward()
-        raw.append({n: p.grad.detach().clone() for n, p in m2.named_parameters()})
-        opt.step()
-        real.append({n: p.grad.detach().clone() for n, p in m.named_parameters()})
-        recv.append(opt.stats.last["bytes_received"])
+    raw, real, recv = exchanged_steps(m, opt, model, RANK, 3)
     gathered = hvd.allgather_object(raw, name=f"raw.{spec}")
     flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     allp = hvd.allgather(flat.unsqueeze(0), name=f"params.{spec}")
