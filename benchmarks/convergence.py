@@ -3,6 +3,16 @@
 
     python benchmarks/convergence.py                 # every recipe below (~15 min on a quiet 2-core machine)
     python benchmarks/convergence.py --only topk dgc # recipes whose method starts with these names
+    python benchmarks/convergence.py --workload resnet            # one workload, every method (see WORKLOAD_METHODS)
+    python benchmarks/convergence.py --workload mnist1d-noniid-slow --only local adaptive event
+
+Without ``--workload``: the MNIST-1D recipes below (main job, epochs to target).
+With ``--workload NAME`` (hvd_ext/examples/workloads.py: lm, resnet, mnist1d,
+mnist1d-noniid, mnist1d-slow, mnist1d-noniid-slow): each method is one run of
+benchmarks/workload_train.py with the workload's defaults (2 ranks, unshaped
+loopback), reporting time and epochs to the workload's target, the final metric
+and its difference to ``none`` (hvd_ext, no compression) and to plain Horovod;
+writes benchmarks/results/workload_NAME.{json,md,png}.
 
 Each recipe is one run of the main job (scripts/train.py, 2 ranks, unshaped
 loopback: this measures accuracy, not speed) with the stated flags. The
@@ -17,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -52,8 +63,31 @@ RECIPES = [
 ]
 
 
+# (method label, workload_train.py arguments, launcher); sync strategies only on workloads with
+# non-IID shards or a slow rank
+WORKLOAD_METHODS = [
+    ("horovod", ["--plain-horovod"], "gloo"),
+    ("none", ["--compression", "none"], "gloo"),
+    ("topk:ratio=0.01", ["--compression", "topk:ratio=0.01"], "gloo"),
+    ("sig:ratio=0.01", ["--compression", "sig:ratio=0.01"], "gloo"),
+    ("qsgd:bits=8", ["--compression", "qsgd:bits=8"], "gloo"),
+    ("qdist:bits=3", ["--compression", "qdist:bits=3"], "gloo"),
+    ("powersgd:rank=2", ["--compression", "powersgd:rank=2"], "gloo"),
+]
+SYNC_METHODS = [
+    ("local:period=8", ["--sync", "local:period=8"], "gloo"),
+    ("adaptive:min=1,max=32", ["--sync", "adaptive:min=1,max=32"], "gloo"),
+    ("event", ["--sync", "event"], "mpi"),
+]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default=None,
+                   help="run the workload benchmark for this workload instead of the MNIST-1D recipes")
+    p.add_argument("--extra", default="",
+                   help="with --workload: more workload_train.py arguments for every method, one string "
+                        "(e.g. --extra='--epochs 3')")
     p.add_argument("--only", nargs="*", default=None, help="run recipes whose label starts with one of these")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "convergence"))
@@ -61,6 +95,8 @@ def main(argv=None):
     p.add_argument("--reuse", action="store_true",
                    help="use a recipe's result JSON left in the logs folder by an earlier run instead of rerunning it")
     a = p.parse_args(argv)
+    if a.workload:
+        return run_workload(a)
     out = Path(a.out)
     work = out.parent / (out.name + "_logs")
     work.mkdir(parents=True, exist_ok=True)
@@ -129,6 +165,208 @@ def markdown(doc) -> str:
     L += ["", "Command per row: `horovodrun -np 2 [--mpi] python scripts/train.py <run>`; "
           "all rows: `python benchmarks/convergence.py`.", ""]
     return "\n".join(L)
+
+
+# ---- workloads -------------------------------------------------------------------------------
+def run_workload(a) -> int:
+    import shlex
+
+    sys.path.insert(0, str(ROOT))
+    from hvd_ext.examples.workloads import get_workload
+
+    w = get_workload(a.workload)
+    methods = WORKLOAD_METHODS + (SYNC_METHODS if (w.skew is not None or w.slow_factor > 1) else [])
+    methods = [m for m in methods if not a.only or any(m[0].startswith(o) for o in a.only)]
+    if not methods:
+        raise SystemExit(f"--only {a.only} matches no method of workload {w.name}")
+    out = common.RESULTS / f"workload_{common.slug(w.name)}"
+    work = common.RESULTS / "workload_logs"
+    work.mkdir(parents=True, exist_ok=True)
+    extra = shlex.split(a.extra)
+    rows, meta = [], None
+    for label, args, launcher in methods:
+        tag = f"{common.slug(w.name)}__{common.slug(label)}"
+        js = work / f"{tag}.json"
+        reuse = a.reuse and js.exists()
+        if not reuse:
+            js.unlink(missing_ok=True)
+        prefix = (["mpirun", "-np", str(a.ranks), "--bind-to", "none"] if launcher == "mpi"
+                  else common.hvd_launcher(a.ranks, launcher))
+        targs = ["--workload", w.name, *args, *extra]
+        cmd = ["nice", "-n", "10"] + prefix + [common.PY, str(ROOT / "benchmarks" / "workload_train.py"), *targs,
+                                               "--json", str(js)]
+        t0 = time.time()
+        res = {"rc": 0, "tail": ""} if reuse else common.run_job(cmd, work / f"{tag}.log", a.timeout)
+        row = {"method": label, "launcher": launcher, "args": targs, "wall_s": time.time() - t0,
+               "command": ("mpirun -np %d" if launcher == "mpi" else "horovodrun -np %d --gloo") % a.ranks
+               + " python benchmarks/workload_train.py " + " ".join(targs)}
+        if res["rc"] != 0 or not js.exists():
+            row.update(status="failed", reason=" | ".join(res["tail"].splitlines()[-4:]))
+            print(f"{w.name:20s} {label:24s} FAILED: {row['reason'][:300]}", flush=True)
+        else:
+            r = json.loads(js.read_text())
+            hist = r["history"]
+            hit = next((h for h in hist if w.reached(h["metric"])), None)
+            row.update(status="ok", final=r["final_metric"], train_time_s=r["train_time_s"],
+                       time_to_target_s=hit["train_time_s"] if hit else None,
+                       epochs_to_target=(hit["epoch"] if hit else None),
+                       target_after_finish=bool(hit and hit.get("final")), epochs=r["epochs"],
+                       curve=[[round(h["train_time_s"], 2), h["metric"]] for h in hist],
+                       bytes_ratio_vs_dense=r["bytes_ratio_vs_dense"], bytes_sent_per_step=r["bytes_sent_per_step"],
+                       exchanges=r["exchanges"], buffer_spread_per_epoch=r["buffer_spread_per_epoch"],
+                       final_buffer_spread=r["final_buffer_spread"], final_param_spread=r["final_param_spread"],
+                       period_history_len=len(r.get("period_history") or []),
+                       final_period=((r.get("period_history") or [[None, None, None]])[-1][2]),
+                       trigger_reasons=r.get("trigger_reasons"))
+            meta = {k: r[k] for k in ("description", "metric", "target", "epochs", "steps", "batch", "lr", "optimizer",
+                                      "skew", "shard_label_histograms", "slow_rank", "slow_factor", "params",
+                                      "batchnorm", "corpus", "ranks")}
+            print(f"{w.name:20s} {label:24s} final {_fmt_metric(w.metric, row['final'])}  to target "
+                  f"{_fmt_t(row['time_to_target_s'])} (epoch {row['epochs_to_target']})  train {row['train_time_s']:.1f}s"
+                  f"  bytes {row['bytes_ratio_vs_dense']:.4f} of dense", flush=True)
+        rows.append(row)
+    if a.only and out.with_suffix(".json").exists():  # a partial run updates its rows of the last one
+        prev = json.loads(out.with_suffix(".json").read_text())
+        old = {r["method"]: r for r in prev["rows"]}
+        old.update({r["method"]: r for r in rows})
+        order = [m[0] for m in WORKLOAD_METHODS + SYNC_METHODS]
+        rows = [old[m] for m in order if m in old]
+        meta_prev = prev.get("workload_info", {})
+    else:
+        meta_prev = {}
+    info = meta or meta_prev
+    doc = {"title": f"Convergence on workload `{w.name}`", "workload": w.name, "workload_info": info,
+           "machine": common.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "ranks": a.ranks,
+           "command": f"python benchmarks/convergence.py --workload {w.name}" + (f" --extra='{a.extra}'" if a.extra
+                                                                                 else ""),
+           "rows": rows}
+    compare_to_baselines(doc, w)
+    png = out.with_suffix(".png")
+    if plot(doc, w, png):
+        doc["plots"] = [png.name]
+    common.write_json(out.with_suffix(".json"), doc)
+    out.with_suffix(".md").write_text(workload_markdown(doc, w))
+    print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}" + (f", {png}" if doc.get("plots") else ""))
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def _fmt_metric(metric, v):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    return f"{100 * v:.2f}%" if metric == "acc" else f"{v:.3f}"
+
+
+def _fmt_t(t):
+    return "not reached" if t is None else f"{t:.1f}s"
+
+
+def compare_to_baselines(doc, w) -> None:
+    """Per row: final metric minus none's and horovod's (sign: positive = better), time to target
+    relative to horovod's and to local:period=8's (when those reached it)."""
+    by = {r["method"]: r for r in doc["rows"] if r["status"] == "ok"}
+    sign = 1.0 if w.higher_is_better else -1.0
+    for r in doc["rows"]:
+        if r["status"] != "ok":
+            continue
+        for base in ("none", "horovod"):
+            b = by.get(base)
+            r[f"better_than_{base}"] = None if b is None else sign * (r["final"] - b["final"])
+        for base in ("horovod", "local:period=8"):
+            b = by.get(base)
+            key = "speedup_to_target_vs_" + common.slug(base)
+            if b and b.get("time_to_target_s") and r.get("time_to_target_s"):
+                r[key] = b["time_to_target_s"] / r["time_to_target_s"]
+            else:
+                r[key] = None
+
+
+def workload_markdown(doc, w) -> str:
+    info = doc.get("workload_info") or {}
+    m = w.metric
+    unit = "test accuracy" if m == "acc" else "held-out loss, nats/byte (lower is better)"
+    tgt = _fmt_metric(m, w.target)
+    L = [f"Workload `{w.name}`: {info.get('description', w.description)}; {doc['ranks']} ranks, "
+         f"{info.get('epochs')} epochs x {info.get('steps', 0) // max(info.get('epochs') or 1, 1)} steps, batch "
+         f"{info.get('batch')} per rank, {info.get('optimizer')} lr {info.get('lr')} (one-cycle), unshaped loopback; "
+         f"metric: {unit}; target {tgt}.", ""]
+    if info.get("skew") is not None:
+        L.append(f"Non-IID: label skew {info['skew']} (each class's home rank holds that fraction of it); "
+                 f"label histograms per rank: {info.get('shard_label_histograms')}.")
+    if info.get("slow_rank") is not None:
+        L.append(f"Straggler: rank {info['slow_rank']} takes {info['slow_factor']}x as long per step "
+                 f"(sleeps (f-1) x its measured forward+backward time).")
+    if info.get("corpus"):
+        c = info["corpus"]
+        L.append(f"Corpus: {c['files']} standard-library modules `{c['first']}`..`{c['last']}` from `{c['source']}`, "
+                 f"{c['bytes']} bytes (sha256 `{c['sha256'][:16]}...`), last {c['heldout_bytes']} bytes held out.")
+    L += ["", f"| method | final {m} | vs `none` | vs `horovod` | time to {tgt} | epochs to {tgt} | "
+              "speed-up to target vs horovod | vs local:period=8 | train time | bytes vs dense | exchanges/rank |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    d = (lambda v: "—" if v is None else f"{100 * v:+.2f} pt") if m == "acc" else         (lambda v: "—" if v is None else f"{v:+.3f}")
+    x = lambda v: "—" if v is None else f"{v:.2f}x"  # noqa: E731
+    for r in doc["rows"]:
+        if r["status"] != "ok":
+            L.append(f"| `{r['method']}` | failed: {r.get('reason', '')[:80]} |  |  |  |  |  |  |  |  |  |")
+            continue
+        ep = "—" if r["epochs_to_target"] is None else (f"{r['epochs_to_target']}" +
+                                                       (" (after finish)" if r.get("target_after_finish") else ""))
+        L.append(f"| `{r['method']}` | {_fmt_metric(m, r['final'])} | {d(r.get('better_than_none'))} | "
+                 f"{d(r.get('better_than_horovod'))} | {_fmt_t(r['time_to_target_s'])} | {ep} | "
+                 f"{x(r.get('speedup_to_target_vs_horovod'))} | {x(r.get('speedup_to_target_vs_local_period=8'))} | "
+                 f"{r['train_time_s']:.1f}s | {r['bytes_ratio_vs_dense']:.4f} | {r['exchanges']:.0f} |")
+    bn = [r for r in doc["rows"] if r["status"] == "ok" and r.get("buffer_spread_per_epoch")]
+    if bn:
+        L += ["", "BatchNorm running statistics: relative spread across ranks at each epoch end before averaging "
+                  "(max |b_rank - b_mean| / max |b_mean|), and after the run's final averaging:", "",
+              "| method | spread per epoch | final spread | final param spread |", "|---|---|---|---|"]
+        for r in bn:
+            L.append(f"| `{r['method']}` | {', '.join(f'{v:.3g}' for v in r['buffer_spread_per_epoch'])} | "
+                     f"{r['final_buffer_spread']:.1e} | {r['final_param_spread']:.1e} |")
+    L += ["", f"Per-epoch {m} (cumulative training seconds); the last point is after `finish()` "
+              "(all ranks identical):", "",
+          "| method | " + " | ".join(f"ep {i + 1}" for i in range(info.get("epochs") or 0)) + " | final |",
+          "|---|" + "---|" * ((info.get("epochs") or 0) + 1)]
+    for r in doc["rows"]:
+        if r["status"] == "ok":
+            L.append(f"| `{r['method']}` | " + " | ".join(f"{_fmt_metric(m, v)} @ {t:.0f}s" for t, v in r["curve"])
+                     + " |")
+    for p in doc.get("plots", []):
+        L += ["", f"![{Path(p).stem}](results/{p})"]
+    L += ["", "Time to target: cumulative training seconds (evaluation excluded) at the first epoch end whose "
+              "metric meets the target, on rank 0's clock; `event` evaluates the parameter server's z at rank 0's "
+              "epoch ends. Command per row: "
+              "`horovodrun -np 2 --gloo python benchmarks/workload_train.py --workload NAME <method args>` "
+              "(`mpirun -np 2` for event); all rows: " f"`{doc['command']}`.", ""]
+    return "\n".join(L)
+
+
+def plot(doc, w, png: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        print(f"no plot: matplotlib unavailable ({e})")
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for r in doc["rows"]:
+        if r["status"] != "ok":
+            continue
+        t = [c[0] for c in r["curve"]]
+        v = [100 * c[1] if w.metric == "acc" else c[1] for c in r["curve"]]
+        ax.plot(t, v, marker="o", ms=3, label=r["method"],
+                ls="--" if r["method"] in ("horovod", "none") else "-")
+    ax.axhline(100 * w.target if w.metric == "acc" else w.target, color="gray", lw=0.8, ls=":")
+    ax.set_xlabel("training seconds (rank 0 clock)")
+    ax.set_ylabel("test accuracy %" if w.metric == "acc" else "held-out loss (nats/byte)")
+    ax.set_title(f"{w.name}: {doc['ranks']} ranks")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":

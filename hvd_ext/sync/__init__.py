@@ -16,6 +16,11 @@ the bad key and the accepted ones, before any communication) and returns a facto
 ``step(loss=None)`` (calls ``optimizer.step()``), ``finish()`` (last sync, all ranks
 identical), ``exchanges``, ``stats``, ``state_dict()/load_state_dict()``,
 ``shared_state_dict()/load_shared_state_dict()`` (parameter-server state) and ``close()``.
+
+BatchNorm running statistics are buffers, which Horovod never exchanges: ``local`` and
+``adaptive`` average them with the parameters (``sync_buffers``, default on), ``event``
+averages them once in ``finish()``; under ``every`` call ``average_buffers(model)`` before
+evaluating or checkpointing (``buffer_spread(model)`` measures the disagreement).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from ..options import parse_spec, resolve_options
 from .adaptive import ADAPTIVE_OPTIONS, AdaptiveSync, momentum_divergence, next_period
 from .event_triggered import EVENT_OPTIONS, EventTriggeredSGD, staleness_weight, trigger
 from .local_sgd import LOCAL_OPTIONS, EverySync, LocalSGD
+from ._common import average_buffers, buffer_spread
 from .param_server import ParameterServer, require_mpi_controller
 
 # spec key -> constructor keyword (short spellings used on the command line)
@@ -101,5 +107,6 @@ def sync_from_spec(spec: str) -> SyncFactory:
 
 
 __all__ = ["AdaptiveSync", "EventTriggeredSGD", "EverySync", "LocalSGD", "ParameterServer", "SyncFactory",
+           "average_buffers", "buffer_spread",
            "list_sync", "momentum_divergence", "next_period", "require_mpi_controller", "staleness_weight",
            "sync_from_spec", "trigger", "ADAPTIVE_OPTIONS", "EVENT_OPTIONS", "LOCAL_OPTIONS"]

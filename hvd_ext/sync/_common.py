@@ -104,3 +104,41 @@ def stats_for(optimizer) -> CommStats:
     or into a fresh CommStats around a plain torch optimizer."""
     st = getattr(optimizer, "stats", None)
     return st if isinstance(st, CommStats) else CommStats()
+
+
+def model_buffers(model: torch.nn.Module) -> List[torch.Tensor]:
+    """The model's floating-point buffers (BatchNorm running mean/var), in registration order."""
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
+def buffer_spread(model: torch.nn.Module, process_set=None, exchange=None) -> float:
+    """Collective: max over ranks and elements of |b_rank - b_mean| / (max |b_mean| + 1e-12), the
+    relative disagreement of the floating-point buffers across ranks (0.0 when identical or
+    when the model has none). Every rank gets the same value."""
+    bufs = model_buffers(model)
+    if not bufs:
+        return 0.0
+    ex = exchange if exchange is not None else exchange_for(process_set)
+    local = torch.cat([b.detach().reshape(-1).double() for b in bufs])
+    mean = local.clone()
+    ex.allreduce_average([mean], "hvd_ext.sync.buffer_spread.mean")
+    mine = float((local - mean).abs().max()) / (float(mean.abs().max()) + 1e-12)
+    return float(max(ex.allgather_object(mine, "hvd_ext.sync.buffer_spread")))
+
+
+def average_buffers(model: torch.nn.Module, process_set=None, exchange=None) -> int:
+    """Collective: average the model's floating-point buffers (BatchNorm running statistics)
+    over the ranks in place with one fused allreduce; returns the payload bytes.
+
+    Horovod averages gradients only, so with BatchNorm each rank's running statistics follow
+    its own batches and drift apart (far apart on non-IID shards). Averaging them before an
+    evaluation or a checkpoint gives every rank the same model; the mean of the per-rank
+    running means is the running mean over all ranks' batches, and the mean of the running
+    variances is the pooled within-batch variance (what SyncBatchNorm would track, up to the
+    between-rank spread of the means)."""
+    bufs = model_buffers(model)
+    if not bufs:
+        return 0
+    ex = exchange if exchange is not None else exchange_for(process_set)
+    nbytes, _ = ex.allreduce_average(bufs, "hvd_ext.sync.buffers")
+    return nbytes

@@ -29,8 +29,10 @@ computing. Staleness weight w_s:
 
 ``finish()`` ends training consistently: every worker pushes its remaining drift
 (w_s = 1), one barrier, then every worker pulls the same z, so all ranks finish
-with identical parameters. ``stats.extra`` has ``trigger_reasons`` (threshold /
-tau_max / final counts), ``weights`` and ``delays`` (one entry per exchange),
+with identical parameters; with ``sync_buffers`` (default) the floating-point model
+buffers (BatchNorm running statistics, never pushed to the server) are then averaged
+by one Horovod allreduce, so the buffers end identical too. ``stats.extra`` has
+``trigger_reasons`` (threshold / tau_max / final counts), ``weights`` and ``delays`` (one entry per exchange),
 and ``local_steps``; ``stats.exchanges`` counts exchanges per rank.
 
 Needs the MPI controller (``horovodrun --mpi`` or ``mpirun``); under Gloo the
@@ -47,7 +49,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..options import Option
-from ._common import FlatState, check_optimizer_model, is_distributed_optimizer, resolve, stats_for
+from ._common import (FlatState, average_buffers, check_optimizer_model, exchange_for, is_distributed_optimizer,
+                      resolve, stats_for)
 from .param_server import PS_OPTIONS, ParameterServer, require_mpi_controller
 from .local_sgd import check_same_config
 
@@ -66,6 +69,7 @@ EVENT_OPTIONS = {
     "staleness": Option(str, "loss", choices=STALENESS, help="push weighting"),
     "gamma": Option(float, 1.0, accepted="gamma >= 0", check=lambda v: v >= 0,
                     help="exponent of the loss-based staleness weight"),
+    "sync_buffers": Option(bool, True, help="average floating-point model buffers (BatchNorm stats) in finish()"),
     **PS_OPTIONS,
 }
 
@@ -105,11 +109,12 @@ class EventTriggeredSGD:
 
     def __init__(self, optimizer, model, sigma: float = 2e-4, rho: float = 1.0, eps: float = 0.0,
                  tau_min: int = 5, tau_max: int = 16, staleness: str = "loss", gamma: float = 1.0,
-                 progress: str = "auto", progress_interval: float = 0.002, comm=None):
+                 sync_buffers: bool = True, progress: str = "auto", progress_interval: float = 0.002, comm=None):
         check_optimizer_model("EventTriggeredSGD", optimizer, model)
         o = resolve("EventTriggeredSGD", self.declared,
                     dict(sigma=sigma, rho=rho, eps=eps, tau_min=tau_min, tau_max=tau_max, staleness=staleness,
-                         gamma=gamma, progress=progress, progress_interval=progress_interval))
+                         gamma=gamma, sync_buffers=sync_buffers, progress=progress,
+                         progress_interval=progress_interval))
         if o["tau_max"] < o["tau_min"]:
             raise ValueError(f"EventTriggeredSGD: bad value {o['tau_max']!r} for 'tau_max': "
                              f"accepted: integer >= tau_min (= {o['tau_min']})")
@@ -125,6 +130,7 @@ class EventTriggeredSGD:
         x0 = self.state.params_vector()
         if comm is None:  # the server spans every rank: same configuration everywhere
             check_same_config("EventTriggeredSGD", {"sync": self.describe(), "numel": int(x0.numel())})
+        self.comm_is_world = comm is None  # buffers are averaged over Horovod's global set only then
         self.server = ParameterServer(x0.numel(), init=x0.numpy(), comm=comm, progress=o["progress"],
                                       progress_interval=o["progress_interval"])
         self.n = self.server.size
@@ -219,6 +225,10 @@ class EventTriggeredSGD:
         self.state.set_params_vector(z)
         self.xhat = z
         self.server.barrier()
+        if self.o["sync_buffers"] and self.comm_is_world:
+            nb = average_buffers(self.model, exchange=exchange_for(None, self.optimizer))
+            self.stats.bytes_sent += nb
+            self.stats.bytes_received += nb
         self._publish()
         if self.distributed:
             self.optimizer.set_gradient_exchange(True)
