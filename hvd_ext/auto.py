@@ -53,7 +53,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .compression.base import Compressor, Continue, TensorInfo
+from .compression.base import VARIANCE_OPTIONS, Compressor, Continue, TensorInfo
 from .options import Option, resolve_options
 
 DEFAULT_CANDIDATES = ("none", "fp16", "qsgd:bits=8", "topk:ratio=0.01")
@@ -62,6 +62,7 @@ _PROBE_LARGE = 256 * 1024          # floats (1 MB)
 _COLLECTIVES = {"allreduce": 1, "allgather": 1, "twophase": 2, "sparse_rs": 2}
 
 AUTO_OPTIONS = {
+    **VARIANCE_OPTIONS,
     "every": Option(int, 1000, "int >= 1", lambda v: v >= 1, help="exchanges between two decisions"),
     "warmup": Option(int, 5, "int >= 2", lambda v: v >= 2, help="dense exchanges before the first decision"),
     "check": Option(int, 50, "int >= 1", lambda v: v >= 1,
@@ -224,7 +225,7 @@ class AutoTuner:
 
     def after_step(self) -> None:
         step, a = self.pipe.step, self.auto
-        if step < a.warmup:
+        if step < max(a.warmup, getattr(self.pipe, "dense_steps", 0)):  # dense warm-up (variance_freeze)
             return
         if self.last_eval is None or step - self.last_eval >= a.every:
             self.evaluate("scheduled" if self.last_eval is not None else "warmup")

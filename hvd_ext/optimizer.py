@@ -46,6 +46,7 @@ from .exchange import Exchange
 from .pipeline import GradientPipeline
 from .sparse_grad import SparseExchange
 from .stats import CommStats
+from .variance_freeze import VarianceFreeze
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # PyTorch DDP's default bucket size
 
@@ -56,6 +57,7 @@ class HorovodCodecAdapter(Compressor):
 
     name = "horovod"
     exchange = "allreduce"
+    lossless = True  # Horovod's codecs (none, fp16) cast; a custom one is taken as such too
 
     def __init__(self, codec):
         super().__init__()
@@ -243,9 +245,12 @@ class _DistributedMixin:
         trainable = [(n, p) for n, p in named_parameters if p.requires_grad]
         self._parameter_names = {p: n for n, p in named_parameters}
         included = process_set.included()
+        # Adam & co. under a lossy codec: dense warm-up, then the second moment frozen (variance_freeze).
+        self._freeze = VarianceFreeze.for_optimizer(self, compressor, self._parameter_names) if included else None
+        self._dense_steps = self._freeze.warmup if self._freeze is not None else 0
         if included:
             self._pipeline = GradientPipeline(trainable, compressor, compressor.feedback, self._exchange,
-                                              bucket_bytes)
+                                              bucket_bytes, dense_steps=self._dense_steps)
         else:
             self._pipeline = _LocalOnly()
         self._state_agreed = not included
@@ -338,7 +343,7 @@ class _DistributedMixin:
         if isinstance(cache, dict):
             cache.pop(id(getattr(self._exchange.transport, "process_set", None)), None)
         self._pipeline = GradientPipeline(self._trainable, self._compression, self._compression.feedback,
-                                          self._exchange, self._bucket_bytes)
+                                          self._exchange, self._bucket_bytes, dense_steps=self._dense_steps)
         self._pipeline.load_state_dict(state)
         self._pipeline.compress_s = compress_s
         self._config_pending = True
@@ -361,13 +366,16 @@ class _DistributedMixin:
             shared = getattr(fb, "shared_state_dict", None)
             fb_state = shared() if callable(shared) else {
                 "memory": {k: v.clone() for k, v in fb.memory.items() if "\x00" in k}}
-            mine = {"step": int(pipe.step), "compressor": self._compression.state_dict(), "feedback": fb_state}
+            mine = {"step": int(pipe.step), "compressor": self._compression.state_dict(), "feedback": fb_state,
+                    "variance": self._freeze.state_dict() if self._freeze is not None else None}
         got = ex.allgather_object(mine, "hvd_ext.resume.state")[root]
         if ex.rank != root and steps[ex.rank] != steps[root]:
-            pipe.step = int(got["step"])
+            pipe.set_step(int(got["step"]))
             self._compression.load_state_dict(got["compressor"])
             load_shared = getattr(pipe.feedback, "load_shared_state_dict", None)
             (load_shared or pipe.feedback.load_state_dict)(got["feedback"])
+            if self._freeze is not None:
+                self._freeze.load_state_dict(got.get("variance"))
 
     # ---- hooks -----------------------------------------------------------------------------
     def _register_hooks(self):
@@ -508,6 +516,8 @@ class _DistributedMixin:
             # Some rank had a NaN/Inf gradient: every rank skips this update.
             self._skip_next_step = False
             return None
+        if self._freeze is not None:
+            self._freeze.before_step(self, self._pipeline.step)
         return super().step(closure) if closure is not None else super().step()
 
     def zero_grad(self, *args, **kwargs):
@@ -536,6 +546,8 @@ class _DistributedMixin:
     def state_dict(self):
         sd = super().state_dict()
         sd["hvd_ext"] = self._pipeline.state_dict()
+        if self._freeze is not None:
+            sd["hvd_ext"]["variance"] = self._freeze.state_dict()
         return sd
 
     def load_state_dict(self, state_dict):
@@ -552,6 +564,8 @@ class _DistributedMixin:
         super().load_state_dict(state_dict)
         if ext is not None:
             self._pipeline.load_state_dict(ext)
+            if self._freeze is not None:
+                self._freeze.load_state_dict(ext.get("variance"))
 
 
 def _check_named_parameters(optimizer, named_parameters):

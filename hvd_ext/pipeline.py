@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .compression.base import Compressor, TensorInfo
+from .compression.none import NoneCompressor
 from .exchange import Exchange
 from .auto import AutoCompression, AutoTuner
 from .exchange.routes import OwnerMemory, Route, TensorRecord, choose_route, make_route
@@ -70,7 +71,8 @@ def plan_buckets(named_params: List[Tuple[str, torch.Tensor]], bucket_bytes: int
 
 class GradientPipeline:
     def __init__(self, named_params: List[Tuple[str, torch.Tensor]], compressor: Compressor,
-                 feedback: Optional[Feedback], exchange: Exchange, bucket_bytes: int, route: Optional[str] = None):
+                 feedback: Optional[Feedback], exchange: Exchange, bucket_bytes: int, route: Optional[str] = None,
+                 dense_steps: int = 0):
         self.compressor = compressor
         self.feedback = feedback if feedback is not None else NoFeedback()
         self.exchange = exchange
@@ -87,7 +89,13 @@ class GradientPipeline:
         if is_auto and exchange.op_name == "adasum":
             raise ValueError("compression='auto' needs op=Average or Sum (Adasum is not linear across codecs); "
                              "pick a fixed compression with Adasum")
+        # Dense warm-up (hvd_ext.variance_freeze): the first ``dense_steps`` exchanges send the exact
+        # average, without feedback; then every bucket switches to the codec (same step on every rank).
+        self.dense_steps = int(dense_steps)
+        self._warm = NoneCompressor() if self.dense_steps > 0 and not is_auto else None
         first = compressor.candidates[AutoTuner.dense_index(compressor)] if is_auto else compressor
+        if self._warm is not None and self.step < self.dense_steps:
+            first = self._warm
         for bi, idxs in enumerate(plan_buckets(named_params, bucket_bytes, min(bucket_bytes, FIRST_BUCKET_BYTES))):
             params = [named_params[i][1] for i in idxs]
             b = _Bucket(bi, [named_params[i][0] for i in idxs], params, None, first)
@@ -97,6 +105,20 @@ class GradientPipeline:
                 self.bucket_of[id(p)] = b
         self.auto: Optional[AutoTuner] = AutoTuner(compressor, self) if is_auto else None
         self._step_code_s = 0.0
+
+    def set_step(self, step: int) -> None:
+        """Take the step counter of another rank (the resume recipe, a joining elastic worker): the
+        buckets' codec follows it (dense warm-up or not), so every rank makes the same collectives."""
+        self.step = int(step)
+        if self._warm is not None:
+            self._end_warmup()
+
+    def _end_warmup(self) -> None:
+        """Past the dense warm-up: every bucket takes the codec (or keeps the warm-up's dense route)."""
+        want = self._warm if self.step < self.dense_steps else self.compressor
+        for b in self.buckets:
+            if b.comp is not want and (b.comp is self._warm or want is self._warm):
+                self.set_bucket_compressor(b, want)
 
     def _make_route(self, b: _Bucket, comp: Compressor) -> Route:
         """The route of bucket ``b`` under codec ``comp`` (same inputs on every rank, same route)."""
@@ -161,7 +183,7 @@ class GradientPipeline:
                               param=p.detach(), scale=scale)
             if self.auto is not None:
                 g = self.auto.release(name, g)  # a share of what an earlier codec left (see AutoTuner)
-            u = fb.compensate(name, g if dense_codec else g.float(), info)
+            u = g if comp is self._warm else fb.compensate(name, g if dense_codec else g.float(), info)
             if local_flag:
                 flags.append(torch.isfinite(u).all())
             records.append(TensorRecord(name, p, info, u))
@@ -195,8 +217,11 @@ class GradientPipeline:
             t0 = time.perf_counter()
             # A lossless codec under a shared memory (auto choosing none) sent all of u: memory cleared.
             lossless = use_fb and self.auto is not None and b.comp.name == "none"
+            warm = b.comp is self._warm
             for i, (rec, res, sup) in enumerate(zip(b.route.records, results, supports)):
-                if lossless:
+                if warm:
+                    pass
+                elif lossless:
                     fb.forget(rec.name)
                 elif use_fb:
                     res = fb.adjust(rec.name, res, rec.info, sup)
@@ -226,6 +251,8 @@ class GradientPipeline:
             if self.auto is not None:
                 self.auto.commit()
         self.step += 1
+        if self._warm is not None and self.step == self.dense_steps:
+            self._end_warmup()
         if self.auto is not None:
             self.auto.exchange_time(time.perf_counter() - t_start + self._step_code_s)
             self.auto.after_step()
@@ -248,7 +275,7 @@ class GradientPipeline:
                 "auto": self.auto.state_dict() if self.auto is not None else None}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.step = int(state.get("step", 0))
+        self.set_step(int(state.get("step", 0)))
         self.feedback.load_state_dict(state.get("feedback", {}))
         self.compressor.load_state_dict(state.get("compressor", {}))
         if self.auto is not None:

@@ -39,6 +39,15 @@ HIERARCHY_CHOICES = ("auto", "flat")
 HIERARCHY_OPTION = Option(str, "auto", choices=HIERARCHY_CHOICES,
                           help="auto: node-aware exchange (dense inside a node, compressed across nodes) on "
                                "multi-node jobs when the cost model says it pays; flat: never")
+# Spec keys ``variance=`` / ``variance_warmup=``: adaptive optimizers (Adam...) under a lossy codec get a
+# dense warm-up and then a frozen second moment (hvd_ext.variance_freeze, 1-bit Adam).
+VARIANCE_OPTIONS = {
+    "variance": Option(str, "auto", choices=("auto", "freeze", "live"),
+                       help="auto: with Adam/AdamW/NAdam/RAdam/RMSprop/Adagrad and a lossy codec, dense warm-up "
+                            "then the optimizer's second moment frozen (1-bit Adam); freeze: always; live: never"),
+    "variance_warmup": Option(int, 200, "int >= 0", lambda v: v >= 0,
+                              help="dense exchanges before the second moment is frozen"),
+}
 
 
 @dataclass
@@ -102,6 +111,9 @@ class Compressor:
     sparse: ClassVar[bool] = False
     # Two-phase exchange: the shard owner keeps an error-feedback memory of its re-compression.
     owner_feedback: ClassVar[bool] = True
+    # True when decode(encode(g)) == g up to float rounding (none, fp16, bf16): no error feedback, and an
+    # adaptive optimizer's second moment is left live (hvd_ext.variance_freeze).
+    lossless: ClassVar[bool] = False
 
     def __init__(self, **kwargs):
         self.opts = resolve_options(f"compressor '{self.name}'", self.options, kwargs)
@@ -224,6 +236,7 @@ def register(name: str):
         cls.name = name
         if "hierarchy" not in cls.options:  # every compressor accepts hierarchy=auto|flat
             cls.options = {**cls.options, "hierarchy": HIERARCHY_OPTION}
+        cls.options = {**cls.options, **{k: o for k, o in VARIANCE_OPTIONS.items() if k not in cls.options}}
         _REGISTRY[name] = cls
         return cls
 

@@ -17,6 +17,7 @@ from .base import Compressor, as_bytes, from_bytes, register
 
 @register("bf16")
 class BF16Compressor(Compressor):
+    lossless = True
     exchange = "allgather"
     wire_dtype = torch.bfloat16
 

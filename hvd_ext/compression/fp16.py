@@ -11,6 +11,7 @@ from .base import Compressor, register
 
 
 class CastCompressor(Compressor):
+    lossless = True
     """Cast floating gradients to ``wire_dtype`` for the allreduce, back after it."""
 
     exchange = "allreduce"

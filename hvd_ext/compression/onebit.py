@@ -7,7 +7,9 @@ are sent per chunk: the mean of the coordinates with bit 1 and the mean of
 those with bit 0 (this minimizes the squared error for the given bits). The
 paper keeps one pair per matrix column; ``bucket=B`` keeps one pair per B
 consecutive coordinates (default 1024; ``bucket=0``: one pair per tensor).
-Error feedback (``feedback=residual``, the default) keeps ``e <- p - sent``.
+Error feedback (``feedback=residual``, the default) keeps ``e <- p - sent``. Under
+``torch.optim.SGD`` with momentum the momentum is compressed (as in efsignsgd, after 1-bit
+Adam); under Adam the second moment is frozen after a dense warm-up (``hvd_ext.variance_freeze``).
 
 Wire bytes (allgather, fixed size): ``8 * chunks + ceil(n / 8)``, chunks =
 ``ceil(n / bucket)`` (1 for ``bucket=0``): two float32 values per chunk + bits.
@@ -23,7 +25,7 @@ from ._quant import chunk_counts, chunks, padded_view
 from .signsgd import _chunked
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
-from .efsignsgd import warn_if_sgd_momentum
+from .efsignsgd import compress_sgd_momentum
 
 
 def _encode(x, codes_out, *, c: int):
@@ -68,7 +70,7 @@ class OneBitCompressor(Compressor):
                                 help="coordinates per pair of reconstruction values")}
 
     def bind_optimizer(self, optimizer):
-        warn_if_sgd_momentum(self, optimizer)  # before the feedback takes the momentum over
+        compress_sgd_momentum(self, optimizer)  # before the feedback takes the momentum over
         super().bind_optimizer(optimizer)
 
     def compress(self, tensor, info):

@@ -9,7 +9,8 @@ sets ``p.grad``, flushes and finishes exactly as the optimizer's hooks and
 ``synchronize()`` do. Returns one :class:`RankRun` per rank. ``ranks_per_node``
 lays the ranks out on nodes (node-aware routes; ``process_sets=False``: the
 node process sets cannot be made; ``groups="alltoall"``: node groups over the
-world's alltoall, as on Horovod by default).
+world's alltoall, as on Horovod by default). ``dense_steps``: the dense warm-up the optimizer
+asks for under an adaptive optimizer (``hvd_ext.variance_freeze``).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ class RankRun:
 def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *, params: Optional[Dict[str, torch.Tensor]] = None,
                  bucket_bytes: int = 25 * 1024 * 1024, op: str = "average", route: Optional[str] = None,
                  before_step: Optional[Callable[[int, int, Any], None]] = None, timeout: float = 120.0,
-                 ranks_per_node: int = 0, process_sets: bool = True, groups: str = "subworld") -> List[RankRun]:
+                 ranks_per_node: int = 0, process_sets: bool = True, groups: str = "subworld",
+                 dense_steps: int = 0) -> List[RankRun]:
     from ..compression import compression_from_spec
     from ..pipeline import GradientPipeline
 
@@ -52,7 +54,7 @@ def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *,
         for n in names:
             base = params[n] if params is not None else torch.zeros_like(grads[0][0][n])
             named.append((n, torch.nn.Parameter(base.detach().clone())))
-        pipe = GradientPipeline(named, comp, comp.feedback, ex, bucket_bytes, route)
+        pipe = GradientPipeline(named, comp, comp.feedback, ex, bucket_bytes, route, dense_steps=dense_steps)
         run = RankRun(rank, routes=pipe.routes, pipeline=pipe, exchange=ex)
         for step, per_rank in enumerate(grads):
             if before_step is not None:

@@ -135,9 +135,10 @@ class MomentumTakeover:
             g["momentum"] = 0.0
         if announce:
             used = self.momentum if self._explicit_momentum else m
-            warnings.warn(f"hvd_ext feedback '{self.name}': took over the optimizer's momentum {m} (momentum "
-                          f"correction, Lin et al. 2018): the optimizer now runs with momentum=0 and the "
-                          f"momentum {used} is applied before compression"
+            how = ("the momentum shared by every rank is compressed, as in 1-bit Adam, Tang et al. 2021"
+                   if getattr(self, "velocity", "local") == "exchanged" else "momentum correction, Lin et al. 2018")
+            warnings.warn(f"hvd_ext feedback '{self.name}': took over the optimizer's momentum {m} ({how}): the "
+                          f"optimizer now runs with momentum=0 and the momentum {used} is applied before compression"
                           + (" (nesterov/dampening not reproduced)" if special else "")
                           + ". To silence this, create the optimizer with momentum=0 (the feedback then uses "
                             "the spec's momentum).", stacklevel=5)

@@ -7,7 +7,9 @@ user's own optimizer wrapped by ``hvd_ext.DistributedOptimizer(opt, compression=
 
 * ``sgd``:  ``torch.optim.SGD(lr=0.05, momentum=0.9)`` -- the loop in which the old defaults
   of dgc (momentum applied twice), the sign family (+-1 steps) and efsignsgd/onebit diverged;
-* ``adam``: ``torch.optim.Adam(lr=1e-3)``, one compressor per family (``--adam-specs``).
+* ``adam``: ``torch.optim.Adam(lr=1e-3)``, one compressor per family (``--adam-specs``), with
+  a dense warm-up of 30 exchanges (``variance_warmup=``, default 200) so the frozen second
+  moment of ``hvd_ext.variance_freeze`` is exercised within the short run.
 
 Each rank prints one RESULT line: per run the mean cross-entropy on a fixed held-out set
 before and after training, the train loss over the last steps, whether the final
@@ -52,14 +54,17 @@ def held_out_loss(model, x, y):
         return float(F.cross_entropy(model(x), y))
 
 
-def run(spec, kind, steps, data, batch):
+def run(spec, kind, steps, data, batch, adam_warmup):
     x, y, xt, yt = data
     rank, size = hvd.rank(), hvd.size()
     model = model_for(0)
+    used = spec
+    if kind == "adam":  # a guard of 150 steps: the default dense warm-up (200) would cover all of it
+        used = spec + ("," if ":" in spec else ":") + f"variance_warmup={adam_warmup}"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt = hvd_ext.DistributedOptimizer(make_opt(kind, model.parameters()),
-                                           named_parameters=model.named_parameters(), compression=spec)
+                                           named_parameters=model.named_parameters(), compression=used)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     before = held_out_loss(model, xt, yt)
     gen = torch.Generator().manual_seed(1)
@@ -92,6 +97,8 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--specs", default="", help="';'-separated specs (default: every registered compressor)")
     p.add_argument("--optims", default="sgd,adam")
+    p.add_argument("--adam-warmup", type=int, default=30,
+                   help="variance_warmup= of the adam runs (dense exchanges before the second moment is frozen)")
     p.add_argument("--adam-specs", default="none;dgc;topk;sig;qsgd;signsgd;efsignsgd;onebit;powersgd;terngrad",
                    help="';'-separated specs run with adam (default: one per family); 'all' = --specs")
     a = p.parse_args()
@@ -104,7 +111,7 @@ def main():
     data = (x, y, xt[:1000], yt[:1000])
     specs = [s for s in a.specs.split(";") if s] or hvd_ext.list_compressors()
     adam = specs if a.adam_specs == "all" else [s for s in a.adam_specs.split(";") if s in specs]
-    runs = [run(s, k, a.steps, data, a.batch) for k in a.optims.split(",") if k
+    runs = [run(s, k, a.steps, data, a.batch, a.adam_warmup) for k in a.optims.split(",") if k
             for s in (adam if k == "adam" else specs)]
     emit(rank=hvd.rank(), steps=a.steps, runs=runs)
 
