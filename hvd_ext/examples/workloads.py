@@ -309,7 +309,7 @@ def _mnist1d(**kw) -> Dict:
 WORKLOADS: Dict[str, Callable[[], Workload]] = {
     "lm": lambda: Workload("lm", "byte-level transformer LM (2 layers, d=64, context 64) on Python stdlib source "
                                  "text (540 kB train / 60 kB held out)", _lm_load(64),
-                           lambda: TinyTransformerLM(64, 2, 4, 64), metric="loss", target=1.9, epochs=3, lr=3e-3,
+                           lambda: TinyTransformerLM(64, 2, 4, 64), metric="loss", target=2.0, epochs=2, lr=3e-3,
                            batch=16, optimizer="adamw", weight_decay=0.01),
     "resnet": lambda: Workload("resnet", "ResNet-style CNN with BatchNorm (width 16, ~75k parameters) on shapes16 "
                                          "(12k train / 2k test, 10 classes, 16x16)", load_shapes,
