@@ -34,7 +34,7 @@ KNOWN = {
 def guard_runs():
     from conftest import launch
 
-    res = launch("guard_convergence.py", "--steps", STEPS, np=2, timeout=480)
+    res = launch("guard_convergence.py", "--steps", STEPS, np=2, timeout=900)  # ~4 min on a quiet 2-core machine
     assert len(res) == 2
     return res
 

@@ -140,9 +140,10 @@ for name, cls in classes:
     if cls is torch.optim.SGD:
         kwargs["momentum"] = 0.9
     named = [(n, p) for n, p in model.named_parameters() if cls.__name__ != "Muon" or p.dim() == 2]  # Muon: 2-D only
+    # variance_warmup=1: adaptive ones (Adam, RMSprop, Adagrad...) run with their second moment frozen
     opt = DistributedOptimizer(cls([p for _, p in named], **kwargs), named_parameters=named,
-                               compression="randomk:ratio=0.5")
-    for i in range(2):
+                               compression="randomk:ratio=0.5,variance_warmup=1")
+    for i in range(3):
         opt.zero_grad()
         F.cross_entropy(model(data(30 + i)[0]), data(30 + i)[1]).backward()
         opt.step()
