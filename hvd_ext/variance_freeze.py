@@ -26,7 +26,8 @@ optimizer's ``state_dict``, so a resumed run continues exactly. Optimizers not l
 custom ones) keep a live second moment.
 
 Spec keys (every compressor): ``variance=auto|freeze|live`` (auto: freeze when the optimizer
-is one of the above and the codec is lossy) and ``variance_warmup=N`` dense exchanges.
+is one of the above and the codec keeps an error-feedback memory -- see ``needs_freeze``) and
+``variance_warmup=N`` dense exchanges (default 200).
 """
 from __future__ import annotations
 
