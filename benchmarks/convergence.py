@@ -308,17 +308,23 @@ def write_summary() -> None:
                     verdict = f"loses ({lt / tt:.2f}x of local SGD's speed to target)"
                 summary[-1].setdefault("vs_local", {})[tech] = verdict
     L += ["", "Sync strategies against local SGD (`local:period=8`) in time to target:", "",
-          "| workload | technique | time to target | local:period=8 | final vs local | verdict |", "|---|---|---|---|---|---|"]
+          "| workload | technique | time to target | local:period=8 | epochs to target (technique / local) | "
+          "final vs local | verdict (time) |", "|---|---|---|---|---|---|---|"]
     for d, srow in zip(docs, summary):
         w = get_workload(d["workload"])
         by = {r["method"]: r for r in d["rows"] if r["status"] == "ok"}
         for tech, verdict in (srow.get("vs_local") or {}).items():
             r, loc = by[tech], by["local:period=8"]
             diff = (r["final"] - loc["final"]) * (1 if w.higher_is_better else -1)
+            eps = f"{r['epochs_to_target'] or '—'} / {loc['epochs_to_target'] or '—'}"
             L.append(f"| `{w.name}` | `{tech}` | {_fmt_t(r['time_to_target_s'])} | {_fmt_t(loc['time_to_target_s'])} "
-                     f"| {100 * diff:+.2f} pt | {verdict} |" if w.metric == "acc" else
-                     f"| `{w.name}` | `{tech}` | {_fmt_t(r['time_to_target_s'])} | {_fmt_t(loc['time_to_target_s'])} "
-                     f"| {diff:+.3f} | {verdict} |")
+                     f"| {eps} | " + (f"{100 * diff:+.2f} pt" if w.metric == "acc" else f"{diff:+.3f}")
+                     + f" | {verdict} |")
+    loads = [(d["workload"], (d.get("machine") or {}).get("loadavg_start")) for d in docs]
+    L += ["", "Load average (1/5/15 min) when each workload's last run was assembled: "
+          + "; ".join(f"`{n}` {' / '.join(f'{x:.1f}' for x in la)}" for n, la in loads if la)
+          + ". On a 2-core machine a load far above 2 means the seconds measure CPU contention as much as the "
+            "method; epochs to target and final quality do not depend on it."]
     out = common.RESULTS / "convergence_workloads"
     common.write_json(out.with_suffix(".json"), {"title": "Convergence on various workloads: summary",
                                                  "command": "python benchmarks/convergence.py --workload NAME "
