@@ -4,7 +4,11 @@ Related work: Lloyd 1982 / Max 1960 (optimal scalar quantizers), Faghri et al. 2
 ("Adaptive Gradient Quantization for Data-Parallel SGD", ALQ/AMQ) and Ramezani-Kebrya
 et al. 2021 ("NUQSGD") for unbiased non-uniform levels.
 
-Per layer (one tensor x of n elements):
+Two formats. ``bucket=B`` (default 256): the level placement is fitted per layer, the scale
+per bucket of B consecutive elements (below). ``bucket=0``: one fitted location and scale per
+layer, described first.
+
+Per layer (one tensor x of n elements), ``bucket=0``:
 
 1. Fit by moments: mean mu, std sigma, mean absolute deviation. ``dist=auto``
    picks the better-likelihood fit of Gaussian(mu, sigma) and Laplace(mu, MAD)
@@ -31,8 +35,38 @@ Per layer (one tensor x of n elements):
    bit) under ``sum b_l n_l <= floor(B sum n_l)``, via the pipeline's
    ``prepare_bucket`` hook; each layer's b is in its header.
 
+Per-bucket scales with per-layer fitted levels (``bucket=B > 0``). One scale per layer wastes
+levels wherever the magnitude varies inside a layer (output channels, rows of a weight matrix):
+QSGD's per-bucket max-norm scaling beats it on real gradients. So each bucket j of B elements gets
+its own scale s_j >= max_j |x| and the layer's values are normalized to z = x / s_j in [-1, 1],
+whose distribution *shape* (the same for the whole layer) the levels are fitted to:
+
+a. Scales: M = max|x| of the layer (f32); bucket j sends one byte c_j with
+   ``s_j = M 2^(-c_j/16)`` the smallest such value >= max_j |x| (c_j = 255: an all-zero bucket,
+   s_j = 0). A byte per bucket instead of QSGD's f32 buys buckets 4x smaller at equal overhead;
+   the rounding up costs about 2% of scale.
+b. Levels: 2^b sorted levels on [-1, 1] with the ends at -1 and 1, so stochastic rounding is
+   unbiased. They minimize the layer's expected error of stochastic rounding
+   ``sum_i s_j(i)^2 (z_i - a_k)(a_{k+1} - z_i)`` (each element weighted by its bucket's scale^2,
+   i.e. the error in x units; ALQ, Faghri et al. 2020, fits levels to this objective by gradient
+   steps). ``dist=auto|empirical`` at b <= 4: the exact minimum over levels on a fixed grid of 129
+   points ``sign(t) t^2`` (t uniform on [-1, 1], fine near 0) by dynamic programming over a
+   128-bin weighted histogram of z (from at most 32768 evenly strided elements): the optimal
+   partition of a line into K - 1 intervals of closed-form cost (prefix sums of w, wz, wz^2; Bruce
+   1965, Wu 1991 for the Lloyd-Max analogue). Sent as K - 2 one-byte grid indices. ``dist=auto``
+   skips the fit (and the bytes) for layers where they would exceed 1/8 of the codes
+   (``n b < 64 (K - 2)``) and above 4 bits. Otherwise (and for ``dist=gaussian|laplace``): the
+   Gaussian or Laplace table above on [-T, T], divided by T, with T fitted by moments
+   (``T^2 = sum_j s_j^2 / sum x^2`` on the sample: the normalized body has unit variance);
+   ``dist=auto`` keeps the shape with the smaller sampled error.
+c. Stochastic rounding of z onto the levels as in 3., decoded value ``s_j a_code``.
+
 Payload of one layer (allgather; header then codes):
-  gaussian/laplace: ``u8 b | u8 dist | u16 k | f32 mu | f32 sigma`` then codes:
+  ``bucket=B``: ``u8 b | u8 16+form | u16 k | f32 M`` then ``K - 2`` u8 level indices (form 2,
+      fitted levels; form 0/1: the Gaussian/Laplace table of grid index k), then ``ceil(n / B)``
+      u8 scale codes, then the codes:
+      wire bytes = ``8 + (K - 2 if fitted) + ceil(n / B) + ceil(n * b / 8)``
+  ``bucket=0``, gaussian/laplace: ``u8 b | u8 dist | u16 k | f32 mu | f32 sigma`` then codes:
       wire bytes = ``12 + ceil(n * b / 8)``
   empirical: ``u8 b | u8 dist | u16 0 | 2^b x f32 levels`` then codes:
       wire bytes = ``4 + 4 * 2^b + ceil(n * b / 8)``
@@ -45,7 +79,12 @@ probability (z - a)/(b - a), the same unbiased rule), its random numbers a
 counter hash seeded by ``derive_seed(seed, name, rank)`` and the step; the CPU
 path draws the dither from the same counter hash (``_fast.uniform``), in one fused
 pass for up to 16 levels (selects over the level table; more levels: a search).
-(NaN inputs give arbitrary codes; such steps are skipped anyway.)
+(NaN inputs give arbitrary codes; such steps are skipped anyway.) The bucket format uses the
+same ``kernels.quantize_pack`` on CUDA, with z = x / s_j computed by torch first (levels on
+[-1, 1], scale 1), and decodes with ``kernels.unpack_bits`` and a torch gather; on CPU one fused
+pass (up to 16 levels) rounds the flat padded buckets with the per-bucket reciprocal scales
+expanded inside the kernel, and one fused pass decodes and sums all ranks. A non-finite layer
+sends M = NaN/Inf, so every rank decodes non-finite values and skips the step.
 """
 from __future__ import annotations
 
@@ -185,6 +224,164 @@ def grid_index(t: float) -> int:
     return k
 
 
+# ---- per-bucket scales and fitted levels (bucket > 0) ----------------------------------------
+
+_SCALE_STEPS = 16                 # s_j = M * 2^(-c_j / 16)
+_ZERO_BUCKET = 255                # c_j of an all-zero bucket (s_j = 0)
+_SCALE_POW = torch.tensor([2.0 ** (-c / _SCALE_STEPS) for c in range(255)] + [0.0], dtype=torch.float32)
+_FIT_BINS = 128                   # level grid: 129 points sign(t) t^2, t = -1 + 2 i / 128
+_FIT_SAMPLE = 32768               # elements the fit looks at (evenly strided)
+_FIT_MAX_BITS = 4                 # fitted levels up to 16 of them
+_FIT_EDGES64 = None
+_FIT_PAIRS = None
+
+
+def fit_edges() -> torch.Tensor:
+    """The 129 float64 candidate level positions on [-1, 1] (index 64 is 0)."""
+    global _FIT_EDGES64, _FIT_PAIRS
+    if _FIT_EDGES64 is None:
+        t = torch.linspace(-1.0, 1.0, _FIT_BINS + 1, dtype=torch.float64)
+        e = t.sign() * t * t
+        e[0], e[_FIT_BINS // 2], e[-1] = -1.0, 0.0, 1.0
+        lo, hi = e.view(-1, 1), e.view(1, -1)
+        _FIT_PAIRS = (lo + hi, lo * hi, hi > lo)
+        _FIT_EDGES64 = e
+    return _FIT_EDGES64
+
+
+_FIT_EDGES32 = fit_edges().to(torch.float32)
+
+
+def bucket_scale_codes(amax: torch.Tensor, M: float) -> torch.Tensor:
+    """uint8 codes c_j with ``M 2^(-c_j/16) >= amax_j`` (smallest such), 255 for amax_j = 0."""
+    if not M > 0 or not math.isfinite(M):
+        return torch.zeros(amax.shape, dtype=torch.uint8, device=amax.device)
+    r = (amax.to(torch.float32) / M).clamp(min=2.0 ** -40)
+    # a margin of 1e-3 steps (4e-5 relative) keeps the float32 scale above amax despite rounding
+    c = torch.floor(-_SCALE_STEPS * torch.log2(r) - 1e-3).clamp_(0, _ZERO_BUCKET - 1)
+    c = torch.where(amax > 0, c, torch.full_like(c, _ZERO_BUCKET))
+    return c.to(torch.uint8)
+
+
+def bucket_scales(codes: torch.Tensor, M) -> torch.Tensor:
+    """float32 scales ``M 2^(-c/16)`` (0 for code 255) of the uint8 scale codes."""
+    return _SCALE_POW.to(codes.device)[codes.long()] * M
+
+
+def dp_levels(z: torch.Tensor, w: torch.Tensor, K: int) -> torch.Tensor:
+    """Indices (int64, K of them, 0 and 128 included) into :func:`fit_edges` of the K levels that
+    minimize ``sum_i w_i (z_i - a_k)(a_{k+1} - z_i)`` (stochastic-rounding error) over levels on
+    the grid, exactly: dynamic programming over the weighted histogram (prefix sums make every
+    interval's cost closed-form, and exact since the levels sit on bin edges)."""
+    e = fit_edges()
+    E = _FIT_BINS
+    z = z.to(torch.float64)
+    w = w.to(torch.float64)
+    t = z.sign() * z.abs().sqrt()
+    b = ((t + 1.0) * (E / 2)).floor().clamp_(0, E - 1).long()
+    C = torch.zeros(E + 1, dtype=torch.float64)
+    S, Q = C.clone(), C.clone()
+    C[1:] = torch.bincount(b, w, minlength=E)
+    wz = w * z
+    S[1:] = torch.bincount(b, wz, minlength=E)
+    Q[1:] = torch.bincount(b, wz * z, minlength=E)
+    C, S, Q = C.cumsum(0), S.cumsum(0), Q.cumsum(0)
+    total = float(C[-1])
+    if not total > 0 or not math.isfinite(total):
+        return torch.linspace(0, E, K).round().long()
+    C, S, Q = C / total, S / total, Q / total
+    plus, prod, valid = _FIT_PAIRS
+    # Candidates: a level inside a stretch of empty bins changes the error linearly, so an optimum
+    # has its levels on edges of occupied bins (or +-1); the others are left out (exact, and cheap
+    # for small layers). Too few of them: any other edges complete the K (they cost nothing).
+    occupied = (C[1:] > C[:-1]).nonzero().squeeze(1)
+    keep = torch.zeros(E + 1, dtype=torch.bool)
+    keep[0] = keep[E] = True
+    keep[occupied] = True
+    keep[occupied + 1] = True
+    if int(keep.sum()) < K:
+        keep[torch.linspace(0, E, K).round().long()] = True  # K distinct edges: enough with the rest
+    cand = keep.nonzero().squeeze(1)
+    m = cand.numel()
+    if m < E + 1:
+        C, S, Q = C[cand], S[cand], Q[cand]
+        plus, prod, valid = plus[cand][:, cand], prod[cand][:, cand], valid[cand][:, cand]
+    # cost[i, j] = sum over bins between candidate edges i < j of w (z - e_i)(e_j - z)
+    cost = (S.view(1, -1) - S.view(-1, 1)).mul_(plus)
+    cost.sub_(Q.view(1, -1) - Q.view(-1, 1)).sub_((C.view(1, -1) - C.view(-1, 1)).mul_(prod))
+    cost.clamp_(min=0.0).masked_fill_(~valid, float("inf"))
+    D = cost[0]
+    back = []
+    for _ in range(K - 2):  # D[j]: least error of [-1, e_j] cut into (step + 2) intervals
+        D, arg = (D.view(-1, 1) + cost).min(0)
+        back.append(arg)
+    idx = [m - 1]
+    if back:
+        back = torch.stack(back).tolist()
+        for row in reversed(back):
+            idx.append(row[idx[-1]])
+    idx.append(0)
+    return cand[torch.tensor(idx[::-1], dtype=torch.long)]
+
+
+def sampled_error(z: torch.Tensor, w: torch.Tensor, levels: torch.Tensor) -> float:
+    """``sum w (z - a)(c - z)`` of stochastic rounding onto ``levels`` (a <= z <= c neighbours)."""
+    lv = levels.to(torch.float64)
+    z = z.to(torch.float64).clamp(-1.0, 1.0)
+    i = (torch.searchsorted(lv, z, right=True) - 1).clamp_(0, lv.numel() - 2)
+    return float((w.to(torch.float64) * (z - lv[i]) * (lv[i + 1] - z)).sum())
+
+
+def table_levels(dist: str, bits: int, k: int) -> torch.Tensor:
+    """The ``dist`` table of grid index k scaled from [-T, T] to [-1, 1] (ends exactly +-1), float32."""
+    return _table_levels(dist, bits, k)
+
+
+@lru_cache(maxsize=4096)
+def _table_levels(dist, bits, k):
+    lv = level_table(dist, bits, k)[0].to(torch.float64) / 2.0 ** (k / _GRID)
+    lv[0], lv[-1] = -1.0, 1.0
+    return lv.to(torch.float32)
+
+
+def _bucket_amax(v):
+    """max |x| of each bucket (row) of v (k, c)."""
+    return v.to(torch.float32).abs().amax(1)
+
+
+def _round_buckets(x, inv, levels, key, codes_out, *, K: int):
+    """Stochastic rounding of z = x * inv (x: k*c padded buckets, flat; inv: (k, 1) reciprocal
+    scales, 0 for an all-zero bucket) onto the K sorted levels on [-1, 1]; one-byte codes of all
+    k*c elements to ``codes_out``. (Flat, with the scales expanded inside: a (k, c) grid compiles
+    to a loop several times slower.)"""
+    z = (x.to(torch.float32) * inv.expand(-1, x.numel() // inv.shape[0]).reshape(-1)).clamp(-1.0, 1.0)
+    idx = torch.zeros_like(z)
+    for j in range(1, K - 1):
+        idx = idx + torch.where(z >= levels[j], 1.0, 0.0)
+    a = _select(z, levels, 0, K - 2)
+    c = levels[1]
+    for j in range(1, K - 1):
+        c = torch.where(z >= levels[j], levels[j + 1], c)
+    width = c - a
+    p = torch.where(width > 0, (z - a) / torch.where(width > 0, width, torch.ones_like(width)),
+                    torch.zeros_like(z)).clamp(0, 1)
+    up = torch.where(_fast.uniform(z.numel(), key, z.device) < p, 1.0, 0.0)
+    codes_out.copy_((idx + up).to(torch.uint8))
+
+
+def _decode_buckets(out, codes_list, levels_list, scales_list, *, K: int):
+    """out (k*c) = sum over ranks of s_j * levels[code] (codes: k*c one-byte codes, scales (k, 1))."""
+    acc = None
+    for codes, levels, s in zip(codes_list, levels_list, scales_list):
+        c = codes.to(torch.float32)
+        v = levels[0]
+        for j in range(1, K):
+            v = torch.where(c > j - 0.5, levels[j], v)
+        x = v * s.expand(-1, c.numel() // s.shape[0]).reshape(-1)
+        acc = x if acc is None else acc + x
+    out.copy_(acc)
+
+
 # ---- fused CPU kernels (see ``_fast``) -------------------------------------------------------
 
 def _stats(x):
@@ -240,6 +437,9 @@ def _decode(out, codes_list, levels_list, musig_list, *, K: int):
 _STATS = _fast.Kernel(_stats, "qdist fit")
 _ROUND = _fast.Kernel(_round, "qdist encode")
 _DECODE = _fast.Kernel(_decode, "qdist decode")
+_AMAX_B = _fast.Kernel(_bucket_amax, "qdist bucket max")
+_ROUND_B = _fast.Kernel(_round_buckets, "qdist bucket encode")
+_DECODE_B = _fast.Kernel(_decode_buckets, "qdist bucket decode")
 
 
 # ---- the compressor -------------------------------------------------------------------------
@@ -252,6 +452,8 @@ class QDistCompressor(Compressor):
         "dist": Option(str, "auto", choices=("auto",) + DISTS),
         "budget": Option(float, 0.0, "0 (off) or 1 <= budget <= 8 (average bits per element)",
                          lambda v: v == 0 or 1 <= v <= 8),
+        "bucket": Option(int, 256, "integer >= 0 (0 = one location and scale per layer)", non_negative,
+                         help="elements per bucket scale (levels are fitted per layer)"),
         "seed": Option(int, 0, "integer >= 0", non_negative),
     }
 
@@ -326,6 +528,13 @@ class QDistCompressor(Compressor):
             self._alloc[info.name] = (info.step, b)
 
     # ---- codec -----------------------------------------------------------------------------
+    def fitted(self, numel: int, bits: int) -> bool:
+        """Whether a layer of ``numel`` elements at ``bits`` sends fitted grid levels (bucket format)."""
+        K = 2 ** bits
+        if K <= 2 or bits > _FIT_MAX_BITS or self.dist in ("gaussian", "laplace"):
+            return False
+        return self.dist == "empirical" or numel * bits >= 64 * (K - 2)
+
     def compress(self, tensor, info):
         flat = tensor.reshape(-1).float()
         n = flat.numel()
@@ -333,6 +542,8 @@ class QDistCompressor(Compressor):
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=dev), None
         b = self.bits_for(info)
+        if self.bucket:
+            return self._compress_buckets(flat, b, info), None
         K = 2 ** b
         dist, mu, sigma, t = self.fit(flat) if self.dist != "empirical" else ("empirical", 0.0, 0.0, 0.0)
         if dist == "empirical":
@@ -373,6 +584,116 @@ class QDistCompressor(Compressor):
             packed = _K.pack_bits(self._round(z, levels, info), b)
         return torch.cat([head, packed]), None
 
+    # ---- bucket format ----------------------------------------------------------------------
+    def _fit_bucket_levels(self, flat, scales, M, b):
+        """(form, k, level indices or None, float32 levels on [-1, 1]) for the bucket format."""
+        K = 2 ** b
+        n = flat.numel()
+        B = self.bucket
+        st = max(1, -(-n // _FIT_SAMPLE))
+        pos = torch.arange(0, n, st, device=flat.device)
+        s = scales[pos // B].to(torch.float64)
+        z = torch.where(s > 0, flat[pos].to(torch.float64) / torch.where(s > 0, s, torch.ones_like(s)),
+                        torch.zeros_like(s)).clamp_(-1.0, 1.0).cpu()
+        w = (s / M).pow(2).cpu()
+        if self.fitted(n, b):
+            idx = dp_levels(z, w, K)
+            return 2, 0, idx, _FIT_EDGES32[idx].to(flat.device)
+        # moments: the body of z * T has unit variance (weighted like the error)
+        ez2 = float((w * z * z).sum())
+        T = math.sqrt(float(w.sum()) / ez2) if ez2 > 0 else 1.0
+        k = grid_index(T) if math.isfinite(T) else 0
+        shapes = (self.dist,) if self.dist in ("gaussian", "laplace") else ("gaussian", "laplace")
+        best = None
+        for shape in shapes:
+            lv = table_levels(shape, b, k)
+            err = sampled_error(z, w, lv) if len(shapes) > 1 else 0.0
+            if best is None or err < best[0]:
+                best = (err, DISTS.index(shape), lv)
+        return best[1], k, None, best[2].to(flat.device)
+
+    def _compress_buckets(self, flat, b, info):
+        n = flat.numel()
+        dev = flat.device
+        K = 2 ** b
+        B = self.bucket
+        v = _quant.padded_view(flat, B)
+        amax = _AMAX_B(v.numel(), dev, v)
+        M = float(amax.max())
+        finite = math.isfinite(M)
+        codes_s = bucket_scale_codes(amax, M)
+        scales = bucket_scales(codes_s, M if finite else 0.0)
+        if finite and M > 0:
+            form, k, idx, levels = self._fit_bucket_levels(flat, scales, M, b)
+        else:  # all zero, or non-finite (the step is skipped): every value decodes to M * 0 or NaN
+            form, k, idx, levels = DISTS.index("gaussian"), 0, None, table_levels("gaussian", b, 0).to(dev)
+        if self.fitted(n, b) and idx is None:
+            idx = torch.linspace(0, _FIT_BINS, K).round().long()
+            form = 2
+            levels = _FIT_EDGES32[idx].to(dev)
+        head = [torch.tensor([b, 16 + form], dtype=torch.uint8, device=dev),
+                torch.tensor([k], dtype=torch.int16, device=dev),
+                torch.tensor([M], dtype=torch.float32, device=dev)]
+        if idx is not None:
+            head.append(idx[1:-1].to(torch.uint8).to(dev))
+        head.append(codes_s)
+        head = as_bytes(*head)
+        s2 = scales.view(-1, 1)
+        inv = torch.where(s2 > 0, 1.0 / torch.where(s2 > 0, s2, torch.ones_like(s2)), torch.zeros_like(s2))
+        if _K.backend(flat) == "cuda":
+            z = v * inv
+            packed = _K.quantize_pack(z.reshape(-1)[:n].clamp(-1.0, 1.0), levels, 1.0, b,
+                                      seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
+        elif K <= 16:
+            key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, dev)
+            total = v.numel()
+            buf = _fast.scratch("qdist/b", max(total, 8 * ((n + 7) // 8)), torch.uint8, dev)
+            _ROUND_B(total, dev, v.reshape(-1), inv, levels.to(torch.float32).contiguous(), key, buf[:total], K=K)
+            buf[n:].zero_()
+            packed = _fast.pack_buffer(buf[:8 * ((n + 7) // 8)], n, b)
+        else:
+            z = v * inv
+            packed = _K.pack_bits(self._round(z.reshape(-1)[:n].clamp(-1.0, 1.0), levels, info), b)
+        return torch.cat([head, packed])
+
+    def _bucket_parts(self, data, n):
+        """(bits, float32 levels, (k, 1) float32 scales, packed codes) of one bucket-format payload."""
+        b, form = int(data[0]), int(data[1]) - 16
+        if not 1 <= b <= 8 or not 0 <= form < len(DISTS):
+            raise ValueError(f"qdist: corrupt header (bits={b}, form={form + 16}; bucket={self.bucket})")
+        K = 2 ** b
+        k = int(from_bytes(data, 2, torch.int16, 1)[0][0]) & 0xFFFF
+        Mt, off = from_bytes(data, 4, torch.float32, 1)
+        if form == 2:
+            idx = data[off:off + K - 2].long()
+            off += K - 2
+            grid = _FIT_EDGES32.to(data.device)
+            levels = torch.cat([grid[:1], grid[idx], grid[-1:]])
+        else:
+            levels = table_levels(DISTS[form], b, k).to(data.device)
+        nb = _quant.chunks(n, self.bucket)
+        scales = bucket_scales(data[off:off + nb], Mt[0]).view(-1, 1)
+        return b, levels, scales, data[off + nb:]
+
+    def _sum_buckets(self, datas, n):
+        parts = [self._bucket_parts(d, n) for d in datas]
+        dev = datas[0].device
+        B = self.bucket
+        total = _quant.chunks(n, B) * B
+        K = 2 ** parts[0][0]
+        if _K.backend(*datas) != "cuda" and K <= 16 and all(p[0] == parts[0][0] for p in parts):
+            codes = [_fast.padded(_fast.unpack_to_buffer(p[3], p[0], n, f"qdist/b{r}"), total, f"qdist/bpad{r}")
+                     for r, p in enumerate(parts)]
+            out = _fast.empty(total, device=dev)
+            _DECODE_B(total, dev, out, codes, [p[1].contiguous() for p in parts], [p[2] for p in parts], K=K)
+            return out[:n]
+        out = None
+        for b, levels, scales, packed in parts:
+            codes = _K.unpack_bits(packed, b, n).long()
+            x = levels[codes] * scales.expand(-1, B).reshape(-1)[:n]
+            out = x if out is None else out.add_(x)
+        return out
+
     def _empirical_levels(self, flat, K):
         n = flat.numel()
         lo, hi = flat.min(), flat.max()
@@ -398,6 +719,8 @@ class QDistCompressor(Compressor):
         n = info.numel
         if n == 0:
             return torch.zeros(0, device=data.device)
+        if self.bucket:
+            return self._sum_buckets([data], n)
         b, dcode = int(data[0]), int(data[1])
         if not 1 <= b <= 8 or dcode >= len(DISTS):
             raise ValueError(f"qdist: corrupt header (bits={b}, dist={dcode})")
@@ -445,6 +768,8 @@ class QDistCompressor(Compressor):
     def aggregate(self, datas, ctx, info):
         """Sum of the ranks' decoded payloads; on CPU one fused pass over all ranks."""
         n = info.numel
+        if n and self.bucket and datas:
+            return self._sum_buckets(datas, n)
         parts = self._fused_parts(datas, n) if n else None
         if parts is None:
             return super().aggregate(datas, ctx, info)
@@ -457,11 +782,14 @@ class QDistCompressor(Compressor):
     def wire_bytes(self, numel):
         if self.budget:
             return None
-        return self.payload_bytes(numel, self.bits, self.dist == "empirical")
+        return self.payload_bytes(numel, self.bits)
 
-    @staticmethod
-    def payload_bytes(numel: int, bits: int, empirical: bool = False) -> int:
+    def payload_bytes(self, numel: int, bits: int) -> int:
+        """Exact bytes of one layer of ``numel`` elements at ``bits`` (see the module docstring)."""
         if numel == 0:
             return 0
-        head = 4 + 4 * 2 ** bits if empirical else 12
+        if self.bucket:
+            fit = 2 ** bits - 2 if self.fitted(numel, bits) else 0
+            return 8 + fit + _quant.chunks(numel, self.bucket) + packed_bytes(numel, bits)
+        head = 4 + 4 * 2 ** bits if self.dist == "empirical" else 12
         return head + packed_bytes(numel, bits)
