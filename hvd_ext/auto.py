@@ -344,6 +344,7 @@ class AutoTuner:
         return _COLLECTIVES.get(kind, 2) * lat + wire / bw + code
 
     def evaluate(self, reason: str) -> None:
+        from .exchange import cost
         from .exchange.routes import choose_route
 
         pipe, cands = self.pipe, self.auto.candidates
@@ -365,20 +366,26 @@ class AutoTuner:
         k = 3
         for b in pipe.buckets:
             numel = sum(p.numel() for p in b.params)
-            best, best_t, per, times = 0, None, {}, []
+            best, best_t, per, times, kinds = 0, None, {}, [], []
             for ci, c in enumerate(cands):
                 enc, dec, nbytes = float(mean[k]), float(mean[k + 1]), float(mean[k + 2])
                 k += 3
-                kind = choose_route(c, getattr(c, "route", "auto"), numel, pipe.size, exchange=pipe.exchange)
+                # The route by the cost model with this job's measured link and codec speed (the
+                # pipeline's first choice used default constants).
+                link = cost.LinkModel(alpha=lat, bandwidth=self.link["bw"], codec=numel / max(enc + dec, 1e-9))
+                kind = choose_route(c, getattr(c, "route", "auto"), numel, pipe.size, link=link,
+                                    exchange=pipe.exchange, model=cost.NodeModel(inter=link))
+                kinds.append(kind)
                 t = self.predict(kind, numel, nbytes, enc, dec)
                 times.append(t)
                 per[self.auto.candidate_specs[ci]] = round(t * 1e3, 4)
                 if best_t is None or t < best_t * (1 - 1e-3):
                     best, best_t = ci, t
-            all_times.append((best, times, numel))
+            all_times.append((best, times, numel, kinds))
             table.append(per)
-        step_time = compute + sum(times[best] for best, times, _ in all_times)
-        for b, (best, times, numel) in zip(pipe.buckets, all_times):
+        step_time = compute + sum(times[best] for best, times, _, _ in all_times)
+        routes = []
+        for b, (best, times, numel, kinds) in zip(pipe.buckets, all_times):
             # the most accurate candidate within the slack (candidates are listed most accurate first)
             allowance = self.auto.slack * step_time * numel / total
             best = next(ci for ci, t in enumerate(times) if t <= times[best] + allowance)
@@ -386,15 +393,17 @@ class AutoTuner:
             if self.last_eval is not None and best != cur and times[best] > (1 - self.auto.margin) * times[cur]:
                 best = cur  # not worth a switch
             choice.append(best)
+            routes.append(kinds[best])
             predicted += times[best]
         # Rank 0's decision for everyone (identical inputs already; this makes it certain).
-        agreed = pipe.exchange.broadcast_object(choice, 0, f"hvd_ext.auto.choice.{pipe.step}")
+        agreed, routes = pipe.exchange.broadcast_object([choice, routes], 0, f"hvd_ext.auto.choice.{pipe.step}")
         changed = False
-        for b, ci in zip(pipe.buckets, agreed):
+        for b, ci, kind in zip(pipe.buckets, agreed, routes):
             if self.choice[b.index] != ci:
                 self.switched(b)
-                pipe.set_bucket_compressor(b, cands[ci])
                 changed = True
+            if self.choice[b.index] != ci or b.route.name != kind:
+                pipe.set_bucket_compressor(b, cands[ci], kind)
         self.choice = list(agreed)
         # A re-decision that changes nothing (measurement noise, ranks out of step): check less often.
         self._check_every = self.auto.check if changed or reason in ("warmup", "scheduled") \
@@ -428,15 +437,19 @@ class AutoTuner:
                 "decisions": len(self.decisions), "last": last}
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"choice": list(self.choice), "last_eval": self.last_eval,
+        return {"choice": list(self.choice), "routes": [b.route.name for b in self.pipe.buckets],
+                "size": self.pipe.size, "last_eval": self.last_eval,
                 "debt": {k: v.clone() for k, v in self.debt.items()}, "debt_left": dict(self.debt_left)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         ch = list((state or {}).get("choice", []))
         if len(ch) == len(self.pipe.buckets) and all(0 <= c < len(self.auto.candidates) for c in ch):
-            for b, ci in zip(self.pipe.buckets, ch):
-                if self.choice[b.index] != ci:
-                    self.pipe.set_bucket_compressor(b, self.auto.candidates[ci])
+            kinds = list(state.get("routes") or [None] * len(ch))
+            if len(kinds) != len(ch) or self.pipe.size != int(state.get("size", self.pipe.size)):
+                kinds = [None] * len(ch)
+            for b, ci, kind in zip(self.pipe.buckets, ch, kinds):
+                if self.choice[b.index] != ci or (kind is not None and b.route.name != kind):
+                    self.pipe.set_bucket_compressor(b, self.auto.candidates[ci], kind)
             self.choice = ch
             self.last_eval = state.get("last_eval")
         self.debt = {k: v.clone() for k, v in (state or {}).get("debt", {}).items()}

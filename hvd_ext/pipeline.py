@@ -126,13 +126,16 @@ class GradientPipeline:
         kind = choose_route(comp, mode, sum(p.numel() for p in b.params), self.size, exchange=self.exchange)
         return make_route(kind, comp, self.exchange, f"b{b.index}", self.owner_memory)
 
-    def set_bucket_compressor(self, b: _Bucket, comp: Compressor) -> None:
+    def set_bucket_compressor(self, b: _Bucket, comp: Compressor, kind: Optional[str] = None) -> None:
         """Switch bucket ``b`` to codec ``comp`` between steps (``compression="auto"``); what the old
-        codec left in the error-feedback memory is carried over (see ``AutoTuner.release``)."""
+        codec left in the error-feedback memory is carried over (see ``AutoTuner.release``).
+        ``kind``: the route, when the caller chose it (auto, from the measured link); else the
+        cost model's default choice."""
         if b.started or b.ready:
             raise RuntimeError("hvd_ext: a bucket's codec can change only between steps")
         b.comp = comp
-        b.route = self._make_route(b, comp)
+        b.route = (self._make_route(b, comp) if kind is None
+                   else make_route(kind, comp, self.exchange, f"b{b.index}", self.owner_memory))
 
     def _local_flag(self, comp: Compressor) -> bool:
         # The non-finite test of the allreduce route reads the reduced buffer (a NaN/Inf on any rank

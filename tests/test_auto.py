@@ -145,3 +145,22 @@ def test_most_accurate_candidate_within_slack(monkeypatch):
     for slack, want in (("0.1", "fp16"), ("0", "topk:ratio=0.01"), ("2", "none")):
         runs = run_pipeline(f"auto:warmup=2,slack={slack},candidates=none,fp16,topk:ratio=0.01", _grads(3, 2), 2)
         assert runs[0].pipeline.auto.report()["choice"] == [want], slack
+
+
+@pytest.mark.parametrize("lat,expect", [(1.0, "allgather"), (1e-7, "twophase")])
+def test_route_follows_the_measured_link(monkeypatch, lat, expect):
+    """auto re-chooses each bucket's route with the link it measured: a high-latency link takes the
+    allgather (N-1 messages), a low-latency slow one the two-phase exchange (half the bytes), on
+    every rank alike; the default constants pick allgather for these small buckets."""
+    def probe(self):
+        wire = cost.allreduce_wire(4.0 * 256 * 1024, self.pipe.size)
+        return {"lat": lat, "large": lat + wire / 3e4, "wire": wire}  # 30 kB/s: compression pays
+
+    monkeypatch.setattr(AutoTuner, "_probe_link", probe)
+    size = 4
+    runs = run_pipeline("auto:warmup=2,candidates=none,qsgd:bits=8", _grads(4, size), size)
+    for r in runs:
+        assert set(r.pipeline.auto.report()["choice"]) == {"qsgd:bits=8"}
+        assert [b.route.name for b in r.pipeline.buckets] == [expect] * len(r.pipeline.buckets)
+        for n in NAMES:
+            assert torch.equal(r.results[-1][n], runs[0].results[-1][n])
