@@ -355,18 +355,7 @@ def _round_buckets(x, inv, levels, key, codes_out, *, K: int):
     k*c elements to ``codes_out``. (Flat, with the scales expanded inside: a (k, c) grid compiles
     to a loop several times slower.)"""
     z = (x.to(torch.float32) * inv.expand(-1, x.numel() // inv.shape[0]).reshape(-1)).clamp(-1.0, 1.0)
-    idx = torch.zeros_like(z)
-    for j in range(1, K - 1):
-        idx = idx + torch.where(z >= levels[j], 1.0, 0.0)
-    a = _select(z, levels, 0, K - 2)
-    c = levels[1]
-    for j in range(1, K - 1):
-        c = torch.where(z >= levels[j], levels[j + 1], c)
-    width = c - a
-    p = torch.where(width > 0, (z - a) / torch.where(width > 0, width, torch.ones_like(width)),
-                    torch.zeros_like(z)).clamp(0, 1)
-    up = torch.where(_fast.uniform(z.numel(), key, z.device) < p, 1.0, 0.0)
-    codes_out.copy_((idx + up).to(torch.uint8))
+    codes_out.copy_(_stochastic_codes(z, levels, key, K).to(torch.uint8))
 
 
 def _decode_buckets(out, codes_list, levels_list, scales_list, *, K: int):
@@ -401,12 +390,10 @@ def _select(z, levels, lo: int, hi: int):
     return out
 
 
-def _round(x, musig, levels, key, codes_out, *, K: int, zero: bool):
-    """Stochastic rounding of z = (x - mu) / sigma onto the K sorted levels (up with probability
-    (z - a) / (b - a), a <= z < b neighbouring levels; outside: the end levels), one-byte codes to
-    ``codes_out``. ``zero``: a degenerate fit, every z is 0."""
-    x = x.to(torch.float32)
-    z = torch.zeros_like(x) if zero else (x - musig[0]) / musig[1]
+def _stochastic_codes(z, levels, key, K: int):
+    """Codes (float) of the unbiased stochastic rounding of z onto the K sorted levels: up from
+    a = levels[idx] to b = levels[idx + 1] with probability (z - a) / (b - a); outside the end
+    levels, the end level. Shared by both payload formats' encoders (inlined when compiled)."""
     idx = torch.zeros_like(z)
     for j in range(1, K - 1):
         idx = idx + torch.where(z >= levels[j], 1.0, 0.0)
@@ -417,8 +404,16 @@ def _round(x, musig, levels, key, codes_out, *, K: int, zero: bool):
     width = c - a
     p = torch.where(width > 0, (z - a) / torch.where(width > 0, width, torch.ones_like(width)),
                     torch.zeros_like(z)).clamp(0, 1)
-    up = torch.where(_fast.uniform(x.numel(), key, x.device) < p, 1.0, 0.0)
-    codes_out.copy_((idx + up).to(torch.uint8))
+    return idx + torch.where(_fast.uniform(z.numel(), key, z.device) < p, 1.0, 0.0)
+
+
+def _round(x, musig, levels, key, codes_out, *, K: int, zero: bool):
+    """Stochastic rounding of z = (x - mu) / sigma onto the K sorted levels (up with probability
+    (z - a) / (b - a), a <= z < b neighbouring levels; outside: the end levels), one-byte codes to
+    ``codes_out``. ``zero``: a degenerate fit, every z is 0."""
+    x = x.to(torch.float32)
+    z = torch.zeros_like(x) if zero else (x - musig[0]) / musig[1]
+    codes_out.copy_(_stochastic_codes(z, levels, key, K).to(torch.uint8))
 
 
 def _decode(out, codes_list, levels_list, musig_list, *, K: int):
