@@ -198,11 +198,11 @@ def print_table(runs, md=False):
         n = ref.get(r["optimizer"])
         nacc = n["test_acc"] if n else float("nan")
         limit = 3 * n["epochs"] if n else 0
-        first = next((i + 1 for i, a in enumerate(r["acc_history"][:limit]) if a >= nacc - 0.01), None)
+        first = next((i + 1 for i, a in enumerate(r["acc_history"]) if a >= nacc - 0.01), None)
         s_ = same.get((r["optimizer"], r["epochs"]))
         rows.append([r["optimizer"], r["spec"], str(r["epochs"]), f"{100 * r['test_acc']:.2f}",
                      f"{100 * last3(r):.2f}", f"{100 * nacc:.2f}", f"{100 * (r['test_acc'] - nacc):+.2f}",
-                     str(first or "-"), "yes" if first else "NO",
+                     str(first or "-"), "yes" if first and first <= limit else "NO",
                      f"{100 * s_['test_acc']:.2f}" if s_ else "-",
                      f"{100 * (last3(r) - last3(s_)):+.2f}" if s_ else "-"])
     if md:
