@@ -1,4 +1,4 @@
-"""Guard rails against divergence regressions (issue 14, item 4).
+"""Guard rails against divergence regressions.
 
 One 2-rank Horovod launch (``tests/workers/guard_convergence.py``) trains a small MLP on
 MNIST-1D for 150 steps with every registered compressor at its *default* options inside an
@@ -6,7 +6,7 @@ ordinary loop -- SGD (lr 0.05, momentum 0.9) -- and one compressor per family wi
 (lr 1e-3). Each run's held-out cross-entropy must fall by at least half as much as the
 uncompressed run's (from ln 10 = 2.30; none reaches about 1.37 with SGD, 1.53 with Adam).
 
-Checked against the defaults before issue 14 in the same loop (SGD): dgc (momentum applied
+Checked against the earlier defaults in the same loop (SGD): dgc (momentum applied
 twice) ended at 3.90, signsgd (+-1 steps) at 2.33, signum at 668, randomk at 2.23 -- all
 above the bound (about 1.84). The old efsignsgd/onebit (bucket 1024) ended at 1.58/1.50 here:
 their failure on the main job's CNN shows only after more epochs, so this guard does not catch

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of every public entry point (issue 10): spec strings, optimizer and
+"""Property-based fuzzing of every public entry point: spec strings, optimizer and
 sync arguments. Bad input raises ValueError naming what is accepted -- never another exception
 type, never a hang. In process, one rank (no launches)."""
 from __future__ import annotations

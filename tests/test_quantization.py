@@ -1,4 +1,4 @@
-"""Quantization and low-rank family (issue 4): bit packing, qsgd, terngrad, signsgd, efsignsgd,
+"""Quantization and low-rank family: bit packing, qsgd, terngrad, signsgd, efsignsgd,
 signum, onebit, natural, int8, powersgd, qdist."""
 import math
 

@@ -1,4 +1,4 @@
-"""Horovod's documented recipes, misconfiguration and faults (issue 10), on real multi-rank jobs.
+"""Horovod's documented recipes, misconfiguration and faults, on real multi-rank jobs.
 
 Each test is one launch with a timeout; the worker scripts are tests/workers/recipes_*.py.
 """

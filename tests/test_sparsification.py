@@ -1,4 +1,4 @@
-"""Sparsification family (issue 3): topk, threshold, dgc, sig and the ewma / dgc_momentum feedbacks.
+"""Sparsification family: topk, threshold, dgc, sig and the ewma / dgc_momentum feedbacks.
 
 Single-process tests drive compressors and feedbacks exactly as
 ``hvd_ext.pipeline`` does (compensate -> prepare_bucket -> compress ->

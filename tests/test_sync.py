@@ -1,4 +1,4 @@
-"""Sync strategies (issue 5): LocalSGD, AdaptiveSync, ParameterServer, EventTriggeredSGD.
+"""Sync strategies: LocalSGD, AdaptiveSync, ParameterServer, EventTriggeredSGD.
 
 Unit tests run in-process; multi-rank checks use 4 launches in all (one Gloo worker,
 one MPI worker, one killed + one resumed run of the main job), each with a timeout."""

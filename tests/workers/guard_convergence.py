@@ -1,4 +1,4 @@
-"""Convergence guard rails (issue 14, item 4): every compressor at its *default* options, inside
+"""Convergence guard rails: every compressor at its *default* options, inside
 an ordinary user loop, must drive the loss down.
 
 One Horovod job (2 ranks) runs, one after the other, a short training per (compressor,
