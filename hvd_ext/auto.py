@@ -53,7 +53,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .compression.base import VARIANCE_OPTIONS, Compressor, Continue, TensorInfo
+from .compression.base import VARIANCE_OPTIONS, Compressor, Continue, TensorInfo, variance_warmup_option
 from .options import Option, resolve_options
 
 DEFAULT_CANDIDATES = ("none", "fp16", "qsgd:bits=8", "topk:ratio=0.01")
@@ -63,6 +63,7 @@ _COLLECTIVES = {"allreduce": 1, "allgather": 1, "twophase": 2, "sparse_rs": 2}
 
 AUTO_OPTIONS = {
     **VARIANCE_OPTIONS,
+    "variance_warmup": variance_warmup_option(0),
     "every": Option(int, 1000, "int >= 1", lambda v: v >= 1, help="exchanges between two decisions"),
     "warmup": Option(int, 5, "int >= 2", lambda v: v >= 2, help="dense exchanges before the first decision"),
     "check": Option(int, 50, "int >= 1", lambda v: v >= 1,

@@ -45,9 +45,12 @@ VARIANCE_OPTIONS = {
     "variance": Option(str, "auto", choices=("auto", "freeze", "live"),
                        help="auto: with Adam/AdamW/NAdam/RAdam/RMSprop/Adagrad and a lossy codec, dense warm-up "
                             "then the optimizer's second moment frozen (1-bit Adam); freeze: always; live: never"),
-    "variance_warmup": Option(int, 200, "int >= 0", lambda v: v >= 0,
-                              help="dense exchanges before the second moment is frozen"),
 }
+
+
+def variance_warmup_option(default: int) -> Option:
+    return Option(int, default, "int >= 0", lambda v: v >= 0,
+                  help="dense exchanges before the second moment is frozen")
 
 
 @dataclass
@@ -114,6 +117,10 @@ class Compressor:
     # True when decode(encode(g)) == g up to float rounding (none, fp16, bf16): no error feedback, and an
     # adaptive optimizer's second moment is left live (hvd_ext.variance_freeze).
     lossless: ClassVar[bool] = False
+    # Dense exchanges before an adaptive optimizer's second moment is frozen (spec key variance_warmup=):
+    # 0 for sparsifiers and quantizers, whose frozen moment is safest taken from the first, largest
+    # gradients; the error-feedback sign codecs need 1-bit Adam's warm-up (they diverged without it).
+    default_variance_warmup: ClassVar[int] = 0
 
     def __init__(self, **kwargs):
         self.opts = resolve_options(f"compressor '{self.name}'", self.options, kwargs)
@@ -236,7 +243,8 @@ def register(name: str):
         cls.name = name
         if "hierarchy" not in cls.options:  # every compressor accepts hierarchy=auto|flat
             cls.options = {**cls.options, "hierarchy": HIERARCHY_OPTION}
-        cls.options = {**cls.options, **{k: o for k, o in VARIANCE_OPTIONS.items() if k not in cls.options}}
+        extra = dict(VARIANCE_OPTIONS, variance_warmup=variance_warmup_option(cls.default_variance_warmup))
+        cls.options = {**cls.options, **{k: o for k, o in extra.items() if k not in cls.options}}
         _REGISTRY[name] = cls
         return cls
 

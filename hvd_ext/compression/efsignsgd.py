@@ -45,6 +45,7 @@ def compress_sgd_momentum(comp, optimizer) -> None:
 
 @register("efsignsgd")
 class EFSignSGDCompressor(Compressor):
+    default_variance_warmup = 200  # 1-bit Adam's warm-up: without it these diverged under Adam
     exchange = "allgather"
     default_feedback = "residual"
     options = {"bucket": Option(int, 1024, "integer >= 0 (0 = one scale per tensor)", non_negative,

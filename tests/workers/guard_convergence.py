@@ -8,7 +8,7 @@ user's own optimizer wrapped by ``hvd_ext.DistributedOptimizer(opt, compression=
 * ``sgd``:  ``torch.optim.SGD(lr=0.05, momentum=0.9)`` -- the loop in which the old defaults
   of dgc (momentum applied twice), the sign family (+-1 steps) and efsignsgd/onebit diverged;
 * ``adam``: ``torch.optim.Adam(lr=1e-3)``, one compressor per family (``--adam-specs``), with
-  a dense warm-up of 30 exchanges (``variance_warmup=``, default 200) so the frozen second
+  a dense warm-up of 30 exchanges (``variance_warmup=``; default 0, 200 for efsignsgd and onebit) so the frozen second
   moment of ``hvd_ext.variance_freeze`` is exercised within the short run.
 
 Each rank prints one RESULT line: per run the mean cross-entropy on a fixed held-out set
@@ -59,7 +59,7 @@ def run(spec, kind, steps, data, batch, adam_warmup):
     rank, size = hvd.rank(), hvd.size()
     model = model_for(0)
     used = spec
-    if kind == "adam":  # a guard of 150 steps: the default dense warm-up (200) would cover all of it
+    if kind == "adam":  # a guard of 150 steps: the sign codecs' warm-up (200) would cover all of it
         used = spec + ("," if ":" in spec else ":") + f"variance_warmup={adam_warmup}"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
