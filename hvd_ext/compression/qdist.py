@@ -358,15 +358,22 @@ def _round_buckets(x, inv, levels, key, codes_out, *, K: int):
     codes_out.copy_(_stochastic_codes(z, levels, key, K).to(torch.uint8))
 
 
+def _level_of(codes, levels, K: int):
+    """levels[code] for one-byte codes: a chain of selects over the small level table (no gather).
+    Shared by both payload formats' decoders (inlined when compiled)."""
+    c = codes.to(torch.float32)
+    v = levels[0]
+    for j in range(1, K):
+        v = torch.where(c > j - 0.5, levels[j], v)
+    return v
+
+
 def _decode_buckets(out, codes_list, levels_list, scales_list, *, K: int):
     """out (k*c) = sum over ranks of s_j * levels[code] (codes: k*c one-byte codes, scales (k, 1))."""
     acc = None
     for codes, levels, s in zip(codes_list, levels_list, scales_list):
-        c = codes.to(torch.float32)
-        v = levels[0]
-        for j in range(1, K):
-            v = torch.where(c > j - 0.5, levels[j], v)
-        x = v * s.expand(-1, c.numel() // s.shape[0]).reshape(-1)
+        v = _level_of(codes, levels, K)
+        x = v * s.expand(-1, codes.numel() // s.shape[0]).reshape(-1)
         acc = x if acc is None else acc + x
     out.copy_(acc)
 
@@ -420,10 +427,7 @@ def _decode(out, codes_list, levels_list, musig_list, *, K: int):
     """out = sum over ranks of mu + sigma * levels[code] (selects over the small level table)."""
     acc = None
     for codes, levels, musig in zip(codes_list, levels_list, musig_list):
-        c = codes.to(torch.float32)
-        v = levels[0]
-        for j in range(1, K):
-            v = torch.where(c > j - 0.5, levels[j], v)
+        v = _level_of(codes, levels, K)
         x = musig[0] + musig[1] * v
         acc = x if acc is None else acc + x
     out.copy_(acc)
