@@ -76,15 +76,7 @@ def main(argv=None):
             setattr(w, k, getattr(a, k))
     compressor = hvd_ext.compression_from_spec(a.compression)
     sync_factory = hvd_ext.sync_from_spec(a.sync)
-    if sync_factory.needs_mpi:
-        from hvd_ext.sync import require_mpi_controller
-
-        require_mpi_controller(f"--sync {a.sync}")
-        from mpi4py import MPI
-
-        hvd.init(comm=MPI.COMM_WORLD)
-    else:
-        hvd.init()
+    hvd_ext.sync.init_horovod(sync_factory.needs_mpi, f"--sync {a.sync}")
     torch.set_num_threads(a.threads)
     rank, size = hvd.rank(), hvd.size()
     if rank == 0:

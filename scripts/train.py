@@ -103,16 +103,8 @@ def main(argv=None):
     compressor = hvd_ext.compression_from_spec(args.compression)
     sync_factory = hvd_ext.sync_from_spec(args.sync)
 
-    if sync_factory.needs_mpi:
-        # One-sided parameter server: share one MPI world between mpi4py and Horovod.
-        from hvd_ext.sync import require_mpi_controller
-
-        require_mpi_controller(f"--sync {args.sync}")
-        from mpi4py import MPI
-
-        hvd.init(comm=MPI.COMM_WORLD)
-    else:
-        hvd.init()
+    # One-sided parameter server: one MPI world shared between mpi4py and Horovod.
+    hvd_ext.sync.init_horovod(sync_factory.needs_mpi, f"--sync {args.sync}")
     torch.set_num_threads(args.threads)
     rank, size = hvd.rank(), hvd.size()
 

@@ -31,7 +31,7 @@ from .adaptive import ADAPTIVE_OPTIONS, AdaptiveSync, momentum_divergence, next_
 from .event_triggered import EVENT_OPTIONS, EventTriggeredSGD, staleness_weight, trigger
 from .local_sgd import LOCAL_OPTIONS, EverySync, LocalSGD
 from ._common import average_buffers, buffer_spread
-from .param_server import ParameterServer, require_mpi_controller
+from .param_server import ParameterServer, init_horovod, require_mpi_controller
 
 # spec key -> constructor keyword (short spellings used on the command line)
 _ALIASES = {
@@ -108,5 +108,5 @@ def sync_from_spec(spec: str) -> SyncFactory:
 
 __all__ = ["AdaptiveSync", "EventTriggeredSGD", "EverySync", "LocalSGD", "ParameterServer", "SyncFactory",
            "average_buffers", "buffer_spread",
-           "list_sync", "momentum_divergence", "next_period", "require_mpi_controller", "staleness_weight",
+           "init_horovod", "list_sync", "momentum_divergence", "next_period", "require_mpi_controller", "staleness_weight",
            "sync_from_spec", "trigger", "ADAPTIVE_OPTIONS", "EVENT_OPTIONS", "LOCAL_OPTIONS"]

@@ -72,6 +72,21 @@ PS_OPTIONS = {
 }
 
 
+def init_horovod(needs_mpi: bool, owner: str) -> None:
+    """``hvd.init()`` for a training script; with a strategy that needs MPI one-sided operations
+    (``needs_mpi``), first check the MPI controller (clear error otherwise) and share one MPI world
+    between mpi4py and Horovod (``hvd.init(comm=MPI.COMM_WORLD)``)."""
+    import horovod.torch as hvd
+
+    if not needs_mpi:
+        hvd.init()
+        return
+    require_mpi_controller(owner)
+    from mpi4py import MPI
+
+    hvd.init(comm=MPI.COMM_WORLD)
+
+
 def require_mpi_controller(owner: str) -> None:
     """Raise a clear RuntimeError unless Horovod runs (or can run) with the MPI controller."""
     import os
