@@ -94,7 +94,7 @@ class GradientPipeline:
         self.dense_steps = int(dense_steps)
         self._warm = NoneCompressor() if self.dense_steps > 0 and not is_auto else None
         first = compressor.candidates[AutoTuner.dense_index(compressor)] if is_auto else compressor
-        if self._warm is not None and self.step < self.dense_steps:
+        if self._warm is not None:  # step 0: inside the warm-up
             first = self._warm
         for bi, idxs in enumerate(plan_buckets(named_params, bucket_bytes, min(bucket_bytes, FIRST_BUCKET_BYTES))):
             params = [named_params[i][1] for i in idxs]
@@ -117,7 +117,7 @@ class GradientPipeline:
         """Past the dense warm-up: every bucket takes the codec (or keeps the warm-up's dense route)."""
         want = self._warm if self.step < self.dense_steps else self.compressor
         for b in self.buckets:
-            if b.comp is not want and (b.comp is self._warm or want is self._warm):
+            if b.comp is not want:
                 self.set_bucket_compressor(b, want)
 
     def _make_route(self, b: _Bucket, comp: Compressor) -> Route:
