@@ -76,7 +76,7 @@ def needs_freeze(compressor) -> bool:
     if getattr(compressor, "candidates", None) is not None:
         return True
     fb = getattr(compressor, "feedback", None)
-    return fb is not None and not isinstance(fb, NoFeedback) and fb.name != "none"
+    return fb is not None and not isinstance(fb, NoFeedback)
 
 
 class VarianceFreeze:
