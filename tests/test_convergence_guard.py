@@ -25,9 +25,7 @@ FRACTION = 0.5  # of none's loss decrease that every compressor must reach
 
 # Known not to converge at default options in this loop; reported, not asserted (they warn at
 # construction with the fix: see their bind_optimizer).
-KNOWN = {
-    ("sgd", "randomk"): "random-k at 1% with memory diverges under lr 0.05 / momentum 0.9 (warns: use topk)",
-}
+KNOWN: dict = {}
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ which follows the gradient's magnitude much more closely for 1/32 bit more per
 element at B=1024 (our default).
 
 Momentum: under ``torch.optim.SGD`` with momentum the momentum is compressed, as 1-bit
-Adam does (see ``compress_sgd_momentum``); under Adam the warm-up and frozen second moment
+Adam does (see ``hvd_ext.feedback.residual.compress_momentum``); under Adam the warm-up and frozen second moment
 of ``hvd_ext.variance_freeze`` apply, which together make 1-bit Adam.
 
 Wire bytes (allgather, fixed size): ``4 * chunks + ceil(n / 8)``, chunks =
@@ -21,26 +21,12 @@ from __future__ import annotations
 import torch
 
 from .. import kernels as _K
+from ..feedback.residual import compress_momentum
 from ..options import Option, non_negative
 from ._quant import chunk_means, chunks, expand_chunks
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
 from .signsgd import bits_to_sign, sign_aggregate_cpu, sign_bits, sign_compress_cpu
-
-def compress_sgd_momentum(comp, optimizer) -> None:
-    """Under ``torch.optim.SGD`` with momentum, an error-feedback sign codec compresses the momentum
-    itself, as 1-bit Adam does (Tang et al. 2021): each rank sends ``m * (last averaged update) + g``
-    plus its residual, and the SGD optimizer's momentum is taken over (set to 0). With the optimizer
-    applying momentum to the error-compensated sign stream instead, the main job's model (lr 0.05,
-    momentum 0.9) diverged at every bucket size from 32 to 1024 (9-49%); compressing the shared
-    velocity it tracks ``signum``. The spec's ``momentum=``/``velocity=`` keys, when given, win."""
-    fb = comp.feedback
-    if (fb is None or fb.name != "residual" or not isinstance(optimizer, torch.optim.SGD)
-            or not any(float(g.get("momentum", 0) or 0) > 0 for g in optimizer.param_groups)):
-        return
-    if "velocity" not in getattr(fb, "_explicit", ()):
-        fb.velocity = "exchanged"
-    fb.takes_over_by_default = True
 
 
 @register("efsignsgd")
@@ -52,7 +38,8 @@ class EFSignSGDCompressor(Compressor):
                                 help="coordinates per scale")}
 
     def bind_optimizer(self, optimizer):
-        compress_sgd_momentum(self, optimizer)  # before the feedback takes the momentum over
+        # SGD only: under Adam the frozen second moment after 200 dense exchanges is what was measured
+        compress_momentum(self, optimizer, adam=False)  # before the feedback takes the momentum over
         super().bind_optimizer(optimizer)
 
     def compress(self, tensor, info):

@@ -25,7 +25,7 @@ from ._quant import chunk_counts, chunks, padded_view
 from .signsgd import _chunked
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
-from .efsignsgd import compress_sgd_momentum
+from ..feedback.residual import compress_momentum
 
 
 def _encode(x, codes_out, *, c: int):
@@ -71,7 +71,7 @@ class OneBitCompressor(Compressor):
                                 help="coordinates per pair of reconstruction values")}
 
     def bind_optimizer(self, optimizer):
-        compress_sgd_momentum(self, optimizer)  # before the feedback takes the momentum over
+        compress_momentum(self, optimizer, adam=False)  # before the feedback takes the momentum over
         super().bind_optimizer(optimizer)
 
     def compress(self, tensor, info):

@@ -85,27 +85,63 @@ class MomentumTakeover:
     (``OneCycleLR``) drives this momentum instead of re-enabling the optimizer's. Other
     optimizers are left alone (``adam_momentum`` says what to do with Adam's). A non-SGD
     optimizer with a non-zero ``momentum`` (RMSprop) is refused when this feedback applies
-    momentum itself."""
+    momentum itself.
+
+    Adam, AdamW and RAdam (whose first moment is ``m <- b1 m + (1 - b1) g`` read through
+    ``1 - b1^t``) are taken over only by a feedback that compresses the shared velocity
+    (``adam_velocity()``): ``betas[0]`` is set to 0 and the feedback compresses the moment
+    itself, in the same exponential-average form and with the same bias correction, as 1-bit
+    Adam does (Tang et al. 2021)."""
 
     #: momentum used with Adam-family optimizers when the spec does not set ``momentum=``
     #: (None: leave ``self.momentum`` as it is).
     adam_momentum: Optional[float] = None
     #: take over SGD momentum without ``momentum=`` in the spec (dgc: yes; residual: opt-in)
     takes_over_by_default: bool = True
+    #: also take over Adam's first moment without ``momentum=`` in the spec (needs ``adam_velocity()``)
+    takes_over_adam_by_default: bool = False
+    #: optimizers whose first moment can be taken over (plain exponential average, ``1 - b1^t`` correction)
+    ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RAdam)
 
     def _init_takeover(self, kwargs) -> None:
         self._explicit_momentum = "momentum" in kwargs
         self._optimizer = None
         self._checked_step = None
+        self._adam = False   # the optimizer's betas[0] is taken over: the velocity is an exponential average
+
+    def adam_velocity(self) -> bool:
+        """Whether this feedback can carry Adam's first moment (it compresses the shared velocity)."""
+        return False
+
+    # The momentum taken over is kept in the memory (so in ``state_dict`` and in the resume agreement):
+    # an optimizer restored from a checkpoint before it is wrapped already has momentum 0 / betas[0] 0.
+    _TAKEN = "\x00taken_momentum"
+
+    def _remember_taken(self) -> None:
+        self.memory[self._TAKEN] = torch.tensor(float(self.momentum), dtype=torch.float64)
+
+    def load_state_dict(self, state) -> None:
+        mine = self.memory.get(self._TAKEN)
+        super().load_state_dict(state)
+        taken = self.memory.get(self._TAKEN)
+        if taken is None and mine is not None:  # a checkpoint from before this was kept
+            self.memory[self._TAKEN] = mine
+        elif taken is not None and not self._explicit_momentum:
+            self.momentum = float(taken)
 
     def bind_optimizer(self, optimizer) -> None:
         groups = optimizer.param_groups
         kind = type(optimizer).__name__
         if self._explicit_momentum and not self.momentum:
             return  # the spec says momentum=0: leave the optimizer's momentum alone
-        if not self._explicit_momentum and not self.takes_over_by_default:
+        adam = isinstance(optimizer, self.ADAM_FAMILY) and self.adam_velocity()
+        if not self._explicit_momentum and not (self.takes_over_adam_by_default if adam else self.takes_over_by_default):
             return
-        if isinstance(optimizer, torch.optim.SGD):
+        if adam:
+            self._optimizer = optimizer
+            self._adam = True
+            self._take_over_momentum(announce=True)
+        elif isinstance(optimizer, torch.optim.SGD):
             self._optimizer = optimizer
             self._take_over_momentum(announce=True)
         elif any("betas" in g for g in groups):
@@ -121,6 +157,8 @@ class MomentumTakeover:
                              f"over), or put momentum=0 in the compression spec")
 
     def _take_over_momentum(self, announce: bool = False) -> None:
+        if self._adam:
+            return self._take_over_adam(announce)
         groups = self._optimizer.param_groups
         found = sorted({float(g.get("momentum", 0) or 0) for g in groups} - {0.0})
         if not found:
@@ -144,6 +182,28 @@ class MomentumTakeover:
                             "the spec's momentum).", stacklevel=5)
         if not self._explicit_momentum:
             self.momentum = m
+        self._remember_taken()
+
+    def _take_over_adam(self, announce: bool) -> None:
+        groups = self._optimizer.param_groups
+        found = sorted({float(g["betas"][0]) for g in groups} - {0.0})
+        if not found:
+            return
+        if len(found) > 1:
+            raise ValueError(f"feedback '{self.name}' takes over the optimizer's first moment, but its parameter "
+                             f"groups have different betas[0] {found}: give every group the same betas, or "
+                             f"create the optimizer with betas=(0, b2) and put momentum= in the compression spec")
+        for g in groups:
+            g["betas"] = (0.0, g["betas"][1])
+        if announce:
+            warnings.warn(f"hvd_ext feedback '{self.name}': took over {type(self._optimizer).__name__}'s first "
+                          f"moment (betas[0]={found[0]}): the moment shared by every rank is compressed, as in "
+                          f"1-bit Adam (Tang et al. 2021), and the optimizer runs with betas[0]=0. To silence this, "
+                          f"create the optimizer with betas=(0, b2) (the feedback then uses the spec's momentum).",
+                          stacklevel=5)
+        if not self._explicit_momentum:
+            self.momentum = found[0]
+        self._remember_taken()
 
     def _check_optimizer(self, info) -> None:
         if self._optimizer is not None:

@@ -99,7 +99,7 @@ def main():
     p.add_argument("--optims", default="sgd,adam")
     p.add_argument("--adam-warmup", type=int, default=30,
                    help="variance_warmup= of the adam runs (dense exchanges before the second moment is frozen)")
-    p.add_argument("--adam-specs", default="none;dgc;topk;sig;qsgd;signsgd;efsignsgd;onebit;powersgd;terngrad",
+    p.add_argument("--adam-specs", default="none;dgc;topk;randomk;sig;qsgd;signsgd;efsignsgd;onebit;powersgd;terngrad",
                    help="';'-separated specs run with adam (default: one per family); 'all' = --specs")
     a = p.parse_args()
     hvd.init()
