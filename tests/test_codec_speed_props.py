@@ -114,3 +114,25 @@ def test_counter_hash_rounding_is_unbiased(spec):
         acc += comp.decode(comp.compress(x, info)[0], None, info)
     err = (acc / steps - x).abs().mean() / x.abs().mean()
     assert err < 0.1, (spec, float(err))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_chunked_float32_sum_equals_the_plain_sum(dtype, ranks, monkeypatch):
+    """``sum_float32`` (the fp16 reduction and bf16's aggregate) gives, bit for bit, the plain
+    ``rows[0].float() + rows[1] + ...`` times the scale, at every chunk boundary, into a float32
+    or (re-rounded) float16 output; and its scratch chunk is reused, not re-allocated."""
+    monkeypatch.setattr(_fast, "SUM_CHUNK", 1000)
+    g = torch.Generator().manual_seed(ranks)
+    for n in (0, 1, 999, 1000, 1001, 4567):
+        rows = [(torch.randn(n, generator=g) * 10 ** float(torch.randint(-6, 3, (1,), generator=g))).to(dtype)
+                for _ in range(ranks)]
+        ref = rows[0].float()
+        for r in rows[1:]:
+            ref.add_(r)
+        ref.mul_(0.25)
+        assert torch.equal(_fast.sum_float32(rows, 0.25), ref)
+        assert torch.equal(_fast.sum_float32(rows, 0.25, torch.empty(n, dtype=torch.float16)), ref.half())
+    buf = _fast.scratch("sum_float32", 1000, torch.float32, "cpu")
+    _fast.sum_float32([torch.ones(2500, dtype=dtype)] * 2, 1.0, torch.empty(2500, dtype=torch.float16))
+    assert _fast.scratch("sum_float32", 1000, torch.float32, "cpu").data_ptr() == buf.data_ptr()

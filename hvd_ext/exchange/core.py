@@ -268,14 +268,12 @@ class Exchange:
         return Pending("half-rs", [self.transport.alltoall_async(flat, splits, f"{name}.rs")], (n, splits, name))
 
     def _half_reduce(self, rows: torch.Tensor) -> torch.Tensor:
-        """float16 rows (one per rank) -> op(rows) in float32, back to float16 (as Horovod would)."""
-        total = rows[0].float()
-        for r in rows[1:]:
-            total.add_(r)  # float16 read, float32 accumulate: no N x n float32 temporary
+        """float16 rows (one per rank) -> op(rows) in float32, back to float16 (as Horovod would);
+        in cache-sized chunks on CPU (``sum_float32``)."""
+        from ..compression._fast import sum_float32
+
         f = self.prescale_factor * self.postscale_factor / (self.size if self.op_name == "average" else 1)
-        if f != 1.0:
-            total.mul_(f)
-        return total.half()
+        return sum_float32(list(rows), f, torch.empty(rows.shape[1], dtype=torch.float16, device=rows.device))
 
     def _finish_half_sum(self, p: Pending) -> torch.Tensor:
         N = self.size
@@ -302,8 +300,10 @@ class Exchange:
             if flat.is_floating_point():
                 # One reduction pass per buffer (a NaN/Inf on any rank makes the reduced sum
                 # non-finite); only a non-finite total pays for the exact elementwise test.
-                # The trailing flag element is part of the buffer, so this also reads it.
-                total = flat.sum(dtype=torch.float32)
+                # The trailing flag element is part of the buffer, so this also reads it. float16 is
+                # summed as float16 (torch accumulates in float32 inside; 4x faster than asking for a
+                # float32 result on CPU): a finite sum that overflows only costs the exact test.
+                total = flat.sum() if flat.dtype == torch.float16 else flat.sum(dtype=torch.float32)
                 if not bool(torch.isfinite(total)):
                     nonfinite = nonfinite or not bool(torch.isfinite(flat).all())
             if has_flag:
