@@ -637,9 +637,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         warnings.warn("hvd_ext.DistributedOptimizer: num_groups/groups are accepted for compatibility; "
                       "collectives are fused by bucket_bytes instead")
     compressor = resolve_compression(compression)
-    if op == hvd.Adasum and compressor.exchange != "allreduce":
-        raise ValueError(f"op=hvd.Adasum needs a linear (allreduce) compressor such as none or fp16; "
-                         f"'{compressor.name}' uses {compressor.exchange}")
+    if op == hvd.Adasum and (compressor.exchange != "allreduce" or compressor.name == "bf16"):
+        raise ValueError(f"op=hvd.Adasum needs a linear (allreduce) compressor that Horovod can reduce, such as "
+                         f"none or fp16; '{compressor.name}' uses "
+                         + ("bfloat16, which Horovod has no collective for" if compressor.name == "bf16"
+                            else compressor.exchange))
     process_set = hvd.global_process_set if process_set is None else process_set
     named = _check_named_parameters(optimizer, named_parameters)
 

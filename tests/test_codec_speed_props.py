@@ -119,9 +119,9 @@ def test_counter_hash_rounding_is_unbiased(spec):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_chunked_float32_sum_equals_the_plain_sum(dtype, ranks, monkeypatch):
-    """``sum_float32`` (the fp16 reduction and bf16's aggregate) gives, bit for bit, the plain
+    """``sum_float32`` (the Exchange's float16 / bfloat16 reduction) gives, bit for bit, the plain
     ``rows[0].float() + rows[1] + ...`` times the scale, at every chunk boundary, into a float32
-    or (re-rounded) float16 output; and its scratch chunk is reused, not re-allocated."""
+    or (re-rounded) half-precision output; and its scratch chunk is reused, not re-allocated."""
     monkeypatch.setattr(_fast, "SUM_CHUNK", 1000)
     g = torch.Generator().manual_seed(ranks)
     for n in (0, 1, 999, 1000, 1001, 4567):
@@ -132,7 +132,7 @@ def test_chunked_float32_sum_equals_the_plain_sum(dtype, ranks, monkeypatch):
             ref.add_(r)
         ref.mul_(0.25)
         assert torch.equal(_fast.sum_float32(rows, 0.25), ref)
-        assert torch.equal(_fast.sum_float32(rows, 0.25, torch.empty(n, dtype=torch.float16)), ref.half())
+        assert torch.equal(_fast.sum_float32(rows, 0.25, torch.empty(n, dtype=dtype)), ref.to(dtype))
     buf = _fast.scratch("sum_float32", 1000, torch.float32, "cpu")
     _fast.sum_float32([torch.ones(2500, dtype=dtype)] * 2, 1.0, torch.empty(2500, dtype=torch.float16))
     assert _fast.scratch("sum_float32", 1000, torch.float32, "cpu").data_ptr() == buf.data_ptr()

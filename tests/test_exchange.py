@@ -122,6 +122,27 @@ def test_dense_allreduce_is_the_exact_mean(size):
             assert torch.allclose(run.results[0][k], ref[k], atol=1e-6)
 
 
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("spec,dtype,bound", [("fp16", torch.float16, 1e-3), ("bf16", torch.bfloat16, 8e-3)])
+def test_half_precision_allreduce_is_the_rounded_mean(size, spec, dtype, bound):
+    """fp16 and bf16 are summed in float32 by the Exchange (an allgather at N <= 2, alltoall
+    reduce-scatter then allgather beyond) and rounded back: every rank gets the same values, the mean
+    of the ranks' rounded gradients rounded once more, and 2 bytes per element on the wire."""
+    grads = make_grads(size, 1)
+    runs = run_pipeline(spec, grads, size)
+    first = runs[0].results[0]
+    for run in runs:
+        assert run.routes == ["allreduce"]
+        for k, g in first.items():
+            assert torch.equal(run.results[0][k], g)
+            rows = [grads[0][r][k].to(dtype).float() for r in range(size)]
+            want = (sum(rows[1:], rows[0].clone()) / size).to(dtype).float()
+            assert torch.equal(g, want), k
+        assert relerr(run.results[0], mean_of(grads, 0, size)) < bound
+    n = sum(g.numel() for g in grads[0][0].values())
+    assert runs[0].wire[0] == pytest.approx(cost.allreduce_wire(2 * (n + 1), size))
+
+
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("spec,bound", [("int8", 1e-3), ("qsgd:bits=8", 0.05), ("efsignsgd", 1.2),
                                         ("qdist:bits=3", 0.6), ("natural", 0.4), ("onebit", 1.2)])
@@ -290,10 +311,11 @@ def test_real_horovod_routes_equal_the_simulated_world(np_):
         assert r["size"] == np_
         for spec in ("qsgd:bits=8,exchange=twophase", "efsignsgd:exchange=twophase",
                      "topk:ratio=0.02,exchange=twophase", "sig:ratio=0.02,exchange=twophase",
-                     "topk:ratio=0.02", "qdist:bits=3"):
+                     "topk:ratio=0.02", "qdist:bits=3", "fp16", "bf16"):
             x = r[spec]
             assert x["bitwise"], (spec, x["max_diff"])
             assert x["recv"] == x["sim_recv"], spec
             assert x["spread"] == 0.0, spec
+        assert r["bf16"]["routes"] == r["fp16"]["routes"] == ["allreduce"]
         assert r["qsgd:bits=8,exchange=twophase"]["routes"] == ["twophase"]
         assert r["topk:ratio=0.02,exchange=twophase"]["routes"] == ["sparse_rs"]

@@ -131,6 +131,7 @@ def test_none_is_the_exact_mean(size, L):
 @pytest.mark.parametrize("size,L", LAYOUTS)
 @pytest.mark.parametrize("spec,route,bound", [
     ("fp16", "node:allreduce", 1e-5),
+    ("bf16", "node:allreduce", 1e-2),
     ("qsgd:bits=8", "node:allgather", 0.02),
     ("qsgd:bits=8,exchange=twophase", "node:twophase", 0.02),
     ("int8:exchange=twophase", "node:twophase", 1e-3),

@@ -1,37 +1,21 @@
 """bfloat16 values on the wire (PyTorch DDP ``bf16_compress_hook``): fp32's exponent range, 2 bytes per element.
 
-Horovod 0.28's torch collectives have no bfloat16 type ("Tensor type
-torch.BFloat16Tensor is not supported", CPU and CUDA alike), so unlike ``fp16``
-this codec cannot ride on allreduce: each rank sends its gradient rounded to
-bfloat16 as raw bytes (allgather), and the receivers sum the ranks' values in
-float32 (more accurate than a bfloat16 ring sum).
+Floating gradients are cast to bfloat16 and summed as an allreduce. Horovod 0.28's torch
+collectives have no bfloat16 type ("Tensor type torch.BFloat16Tensor is not supported", CPU and
+CUDA alike), so ``hvd_ext.exchange.Exchange`` carries the bits as int16 and sums the ranks' values
+in float32 itself (one allgather at 2 ranks; alltoall reduce-scatter plus allgather beyond: the
+ring's bytes), rounding the sum back to bfloat16 as DDP's hook does.
 
-Wire bytes (allgather, fixed size): ``2 * n``.
+Wire bytes: ``2 * n``.
 """
 from __future__ import annotations
 
 import torch
 
-from ._fast import sum_float32
-from .base import Compressor, as_bytes, from_bytes, register
+from .base import register
+from .fp16 import CastCompressor
 
 
 @register("bf16")
-class BF16Compressor(Compressor):
-    lossless = True
-    exchange = "allgather"
+class BF16Compressor(CastCompressor):
     wire_dtype = torch.bfloat16
-
-    def compress(self, tensor, info):
-        return as_bytes(tensor.reshape(-1).to(torch.bfloat16)), None
-
-    def decode(self, data, ctx, info):
-        vals, _ = from_bytes(data, 0, torch.bfloat16, info.numel)
-        return vals.float()
-
-    def aggregate(self, datas, ctx, info):
-        """The ranks' bfloat16 values summed in float32 in one pass over memory (``sum_float32``)."""
-        return sum_float32([from_bytes(d, 0, torch.bfloat16, info.numel)[0] for d in datas])
-
-    def wire_bytes(self, numel):
-        return 2 * numel

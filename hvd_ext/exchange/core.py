@@ -237,8 +237,8 @@ class Exchange:
             if first:
                 parts = parts + [torch.full((1,), flag_value, dtype=dtype, device=parts[0].device)]
             flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-            if dtype == torch.float16 and flat.device.type == "cpu" and N > 1:
-                handles.append(self._start_half_sum(flat, f"{name}.float16"))
+            if dtype == torch.bfloat16 or (dtype == torch.float16 and flat.device.type == "cpu" and N > 1):
+                handles.append(self._start_half_sum(flat, f"{name}.{str(dtype).split('.')[-1]}"))
             else:
                 handles.append(tr.allreduce_async(flat, f"{name}.{str(dtype).split('.')[-1]}", op=self.op_name,
                                                   prescale=self.prescale_factor, postscale=self.postscale_factor))
@@ -253,37 +253,47 @@ class Exchange:
             self._count("allreduce", 4, 4, cost.allreduce_wire(4, N))
         return Pending("allreduce", handles, (len(payloads), metas))
 
-    # ---- float16 on CPU: summed in float32 here, not by the transport ------------------
+    # ---- float16 on CPU and bfloat16: summed in float32 here, not by the transport ----------
     # Horovod's CPU float16 sum (Gloo, MPI) converts element by element in scalar code: an
     # fp16 allreduce of 122k elements waited 18 ms per step against ~1 ms for fp32, so fp16
-    # cost 1.95x Horovod's fp32 step time unshaped. Instead: N = 2, one allgather and a local
-    # float32 sum; N > 2, reduce-scatter by alltoall (each rank sums its 1/N in float32) then an
-    # allgather of the float16 result -- the ring's 2(N-1)/N x bytes either way. Every rank
-    # ends with bitwise the same values (the same sums, in the same order).
+    # cost 1.95x Horovod's fp32 step time unshaped; and Horovod has no bfloat16 collective at all
+    # (CPU or CUDA), so bfloat16 travels as int16 of the same bits. Instead: N <= 2, one allgather
+    # and a local float32 sum; N > 2, reduce-scatter by alltoall (each rank sums its 1/N in
+    # float32) then an allgather of the half-precision result -- the ring's 2(N-1)/N x bytes
+    # either way. The sum is rounded back to the payload's dtype, as a half-precision ring sum
+    # (and DDP's bf16 hook) would. Every rank ends with bitwise the same values (the same sums,
+    # in the same order).
+    @staticmethod
+    def _wire(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
     def _start_half_sum(self, flat: torch.Tensor, name: str) -> Pending:
         N, n = self.size, flat.numel()
-        if N == 2:
-            return Pending("half-ag", [self.transport.allgather_async(flat, f"{name}.ag")], n)
+        if N <= 2:
+            return Pending("half-ag", [self.transport.allgather_async(self._wire(flat), f"{name}.ag")],
+                           (n, flat.dtype))
         splits = [n // N + (1 if j < n % N else 0) for j in range(N)]
-        return Pending("half-rs", [self.transport.alltoall_async(flat, splits, f"{name}.rs")], (n, splits, name))
+        return Pending("half-rs", [self.transport.alltoall_async(self._wire(flat), splits, f"{name}.rs")],
+                       (n, splits, name, flat.dtype))
 
     def _half_reduce(self, rows: torch.Tensor) -> torch.Tensor:
-        """float16 rows (one per rank) -> op(rows) in float32, back to float16 (as Horovod would);
-        in cache-sized chunks on CPU (``sum_float32``)."""
+        """Half-precision rows (one per rank) -> op(rows) in float32, rounded back to the rows' dtype
+        (as Horovod would for float16); in cache-sized chunks on CPU (``sum_float32``)."""
         from ..compression._fast import sum_float32
 
         f = self.prescale_factor * self.postscale_factor / (self.size if self.op_name == "average" else 1)
-        return sum_float32(list(rows), f, torch.empty(rows.shape[1], dtype=torch.float16, device=rows.device))
+        return sum_float32(list(rows), f, torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device))
 
     def _finish_half_sum(self, p: Pending) -> torch.Tensor:
         N = self.size
         if p.kind == "half-ag":
+            n, dtype = p.meta
             got = self._wait(p.handles[0])
-            return self._half_reduce(got.view(N, p.meta))
-        n, splits, name = p.meta
+            return self._half_reduce(got.view(dtype).view(N, n))
+        n, splits, name, dtype = p.meta
         received, _ = self._wait(p.handles[0])
-        mine = self._half_reduce(received.view(N, splits[self.rank]))
-        return self._wait(self.transport.allgather_async(mine, f"{name}.ag"))
+        mine = self._half_reduce(received.view(dtype).view(N, splits[self.rank]))
+        return self._wait(self.transport.allgather_async(self._wire(mine), f"{name}.ag")).view(dtype)
 
     def finish_allreduce(self, pending: Pending) -> Tuple[List[torch.Tensor], bool]:
         outs = [self._finish_half_sum(h) if isinstance(h, Pending) else self._wait(h) for h in pending.handles]
@@ -300,10 +310,11 @@ class Exchange:
             if flat.is_floating_point():
                 # One reduction pass per buffer (a NaN/Inf on any rank makes the reduced sum
                 # non-finite); only a non-finite total pays for the exact elementwise test.
-                # The trailing flag element is part of the buffer, so this also reads it. float16 is
-                # summed as float16 (torch accumulates in float32 inside; 4x faster than asking for a
-                # float32 result on CPU): a finite sum that overflows only costs the exact test.
-                total = flat.sum() if flat.dtype == torch.float16 else flat.sum(dtype=torch.float32)
+                # The trailing flag element is part of the buffer, so this also reads it. Half precision
+                # is summed in its own dtype (torch accumulates in float32 inside; 4x faster than asking
+                # for a float32 result on CPU): a finite sum that overflows only costs the exact test.
+                half = flat.dtype in (torch.float16, torch.bfloat16)
+                total = flat.sum() if half else flat.sum(dtype=torch.float32)
                 if not bool(torch.isfinite(total)):
                     nonfinite = nonfinite or not bool(torch.isfinite(flat).all())
             if has_flag:

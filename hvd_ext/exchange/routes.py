@@ -43,7 +43,7 @@ from .core import Exchange
 from ..compression.base import HIERARCHY_CHOICES, ROUTE_CHOICES  # noqa: E402
 
 # Linear codecs whose payload can be cut into shards elementwise (PowerSGD's factors cannot).
-SHARDABLE_LINEAR = ("none", "fp16")
+SHARDABLE_LINEAR = ("none", "fp16", "bf16")
 # Feedbacks whose memory the node-aware exchange reproduces at node level (residual error feedback);
 # momentum masking (dgc_momentum) and prediction sharing (ewma) need each rank's own sent mask.
 NODE_FEEDBACKS = ("none", "residual")
@@ -248,7 +248,7 @@ def choose_route(comp: Compressor, mode: str, numel: int, size: int,
     else:
         cands = ("allgather", "twophase")
     payload = estimated_payload_bytes(comp, numel) if comp.exchange != "allreduce" else \
-        numel * (2.0 if comp.name == "fp16" else 4.0)
+        numel * (2.0 if comp.name in ("fp16", "bf16") else 4.0)
     pick = cost.choose_hierarchy(cands, cands, numel, payload, M, L, model)
     if not pick["node_aware"]:
         return flat

@@ -21,7 +21,7 @@ hvd.init()
 torch.set_num_threads(1)
 RANK, SIZE = hvd.rank(), hvd.size()
 SPECS = ["qsgd:bits=8,exchange=twophase", "efsignsgd:exchange=twophase", "topk:ratio=0.02,exchange=twophase",
-         "sig:ratio=0.02,exchange=twophase", "topk:ratio=0.02", "qdist:bits=3"]
+         "sig:ratio=0.02,exchange=twophase", "topk:ratio=0.02", "qdist:bits=3", "fp16", "bf16"]
 
 
 def model():

@@ -224,6 +224,7 @@ CHECKS = {
     "overlap": check_overlap,
     "average_none": lambda: check_average("none"),
     "average_fp16": lambda: check_average(hvd.Compression.fp16),
+    "average_bf16": lambda: check_average("bf16"),
     "identical_none_adam": lambda: check_identical("none", opt_name="adam"),
     "identical_fp16": lambda: check_identical("fp16"),
     "identical_randomk": lambda: check_identical("randomk:ratio=0.1"),
