@@ -164,3 +164,36 @@ def test_route_follows_the_measured_link(monkeypatch, lat, expect):
         assert [b.route.name for b in r.pipeline.buckets] == [expect] * len(r.pipeline.buckets)
         for n in NAMES:
             assert torch.equal(r.results[-1][n], runs[0].results[-1][n])
+
+
+def test_calibration_replaces_a_codec_slower_than_predicted(monkeypatch):
+    """The model predicts top-k cheapest, but its exchanges take 4x the prediction on this 'machine'
+    while qsgd's take what was predicted: once top-k has run, the measured ratio moves the choice to
+    qsgd, on every rank alike; the learned ratios go into the decision log and the checkpoint."""
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link())
+    model = {"none": 40e-3, "qsgd": 20e-3, "topk": 8e-3}      # predicted exchange seconds
+    real = {"none": 40e-3, "qsgd": 20e-3, "topk": 32e-3}       # what the exchanges 'take'
+
+    def time_codec(self, c, b, grads):
+        return {"enc": 0.0, "dec": 0.0, "bytes": float(list(model).index(c.name))}
+
+    def predict(self, kind, numel, payload, enc, dec):
+        return model[list(model)[int(payload)]]
+
+    def exchange_time(self, seconds):
+        name = self.auto.candidates[self.choice[0]].name
+        self._measured.append(real[name])
+        self._periods.append(real[name] + 5e-3)
+
+    monkeypatch.setattr(AutoTuner, "_time_codec", time_codec)
+    monkeypatch.setattr(AutoTuner, "predict", predict)
+    monkeypatch.setattr(AutoTuner, "exchange_time", exchange_time)
+    spec = "auto:warmup=2,check=2,slack=0,candidates=none,qsgd:bits=8,topk:ratio=0.01"
+    runs = run_pipeline(spec, _grads(8, 2), 2)
+    for r in runs:
+        tuner = r.pipeline.auto
+        picks = [d["choice"] for d in tuner.decisions]
+        assert picks[0] == ["topk:ratio=0.01"] and picks[-1] == ["qsgd:bits=8"], picks
+        assert tuner.decisions[-1]["calibration"]["topk:ratio=0.01"] == pytest.approx(4.0)
+        assert tuner.decisions[-1]["calibration"]["none"] == pytest.approx(1.0)
+        assert r.pipeline.state_dict()["auto"]["calib"] == runs[0].pipeline.state_dict()["auto"]["calib"]
