@@ -26,9 +26,11 @@ on and decides per bucket:
 The measurements are averaged over the ranks in one small allreduce and rank
 0's decision is broadcast, so every rank uses the same codec for every bucket.
 Until the first decision (``warmup`` exchanges) every bucket is sent dense.
-The decision is re-taken every ``every`` exchanges, and earlier when the
-measured exchange time leaves [0.5x, 2x] of the prediction (checked every
-``check`` exchanges, agreed by an allreduce of the ranks' measurements).
+The decision is re-taken every ``every`` exchanges, ``check`` exchanges after a
+codec is chosen that has not run before (to calibrate the model with its
+measured cost, ``AutoTuner.calibration``), and earlier when the measured
+exchange time leaves [0.5x, 2x] of the prediction (checked every ``check``
+exchanges, agreed by an allreduce of the ranks' measurements).
 
 Accuracy budget: only error-feedback-safe candidates. Every candidate runs
 under one shared residual error feedback (Seide et al. 2014; Karimireddy et
@@ -231,6 +233,8 @@ class AutoTuner:
             return
         if self.last_eval is None or step - self.last_eval >= a.every:
             self.evaluate("scheduled" if self.last_eval is not None else "warmup")
+        elif step - self.last_eval >= a.check and self._measured and any(ci not in self.calib for ci in self.choice):
+            self.evaluate("calibrate")  # a newly chosen codec has run `check` exchanges: learn its real cost
         elif (step - self.last_eval) % self._check_every == 0 and self._measured:
             self._check_drift()
 

@@ -197,3 +197,34 @@ def test_calibration_replaces_a_codec_slower_than_predicted(monkeypatch):
         assert tuner.decisions[-1]["calibration"]["topk:ratio=0.01"] == pytest.approx(4.0)
         assert tuner.decisions[-1]["calibration"]["none"] == pytest.approx(1.0)
         assert r.pipeline.state_dict()["auto"]["calib"] == runs[0].pipeline.state_dict()["auto"]["calib"]
+
+
+def test_a_new_choice_is_calibrated_after_check_exchanges(monkeypatch):
+    """A codec 1.5x slower than predicted stays inside the drift band [0.5x, 2x], yet once it has run
+    `check` exchanges auto re-decides with its measured cost and moves to the truly faster qsgd; with
+    every chosen codec calibrated it then stops re-deciding."""
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link())
+    model = {"none": 40e-3, "qsgd": 9e-3, "topk": 8e-3}
+    real = {"none": 40e-3, "qsgd": 9e-3, "topk": 12e-3}
+
+    def time_codec(self, c, b, grads):
+        return {"enc": 0.0, "dec": 0.0, "bytes": float(list(model).index(c.name))}
+
+    def predict(self, kind, numel, payload, enc, dec):
+        return model[list(model)[int(payload)]]
+
+    def exchange_time(self, seconds):
+        name = self.auto.candidates[self.choice[0]].name
+        self._measured.append(real[name])
+        self._periods.append(real[name] + 5e-3)
+
+    monkeypatch.setattr(AutoTuner, "_time_codec", time_codec)
+    monkeypatch.setattr(AutoTuner, "predict", predict)
+    monkeypatch.setattr(AutoTuner, "exchange_time", exchange_time)
+    spec = "auto:warmup=2,check=2,slack=0,candidates=none,qsgd:bits=8,topk:ratio=0.01"
+    runs = run_pipeline(spec, _grads(12, 2), 2)
+    for r in runs:
+        d = r.pipeline.auto.decisions
+        assert [x["reason"] for x in d][:3] == ["warmup", "calibrate", "calibrate"], d
+        assert d[0]["choice"] == ["topk:ratio=0.01"] and d[-1]["choice"] == ["qsgd:bits=8"]
+        assert len(d) == 3  # everything chosen is calibrated: no more re-decisions in 12 steps
