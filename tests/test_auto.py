@@ -166,13 +166,10 @@ def test_route_follows_the_measured_link(monkeypatch, lat, expect):
             assert torch.equal(r.results[-1][n], runs[0].results[-1][n])
 
 
-def test_calibration_replaces_a_codec_slower_than_predicted(monkeypatch):
-    """The model predicts top-k cheapest, but its exchanges take 4x the prediction on this 'machine'
-    while qsgd's take what was predicted: once top-k has run, the measured ratio moves the choice to
-    qsgd, on every rank alike; the learned ratios go into the decision log and the checkpoint."""
+def _fake_costs(monkeypatch, model, real):
+    """A link and codecs whose predicted exchange seconds are ``model`` and whose exchanges 'take'
+    ``real`` (per codec name), so calibration has something to learn."""
     monkeypatch.setattr(AutoTuner, "_probe_link", _link())
-    model = {"none": 40e-3, "qsgd": 20e-3, "topk": 8e-3}      # predicted exchange seconds
-    real = {"none": 40e-3, "qsgd": 20e-3, "topk": 32e-3}       # what the exchanges 'take'
 
     def time_codec(self, c, b, grads):
         return {"enc": 0.0, "dec": 0.0, "bytes": float(list(model).index(c.name))}
@@ -188,6 +185,15 @@ def test_calibration_replaces_a_codec_slower_than_predicted(monkeypatch):
     monkeypatch.setattr(AutoTuner, "_time_codec", time_codec)
     monkeypatch.setattr(AutoTuner, "predict", predict)
     monkeypatch.setattr(AutoTuner, "exchange_time", exchange_time)
+
+
+def test_calibration_replaces_a_codec_slower_than_predicted(monkeypatch):
+    """The model predicts top-k cheapest, but its exchanges take 4x the prediction on this 'machine'
+    while qsgd's take what was predicted: once top-k has run, the measured ratio moves the choice to
+    qsgd, on every rank alike; the learned ratios go into the decision log and the checkpoint."""
+    model = {"none": 40e-3, "qsgd": 20e-3, "topk": 8e-3}      # predicted exchange seconds
+    real = {"none": 40e-3, "qsgd": 20e-3, "topk": 32e-3}       # what the exchanges 'take'
+    _fake_costs(monkeypatch, model, real)
     spec = "auto:warmup=2,check=2,slack=0,candidates=none,qsgd:bits=8,topk:ratio=0.01"
     runs = run_pipeline(spec, _grads(8, 2), 2)
     for r in runs:
@@ -203,24 +209,9 @@ def test_a_new_choice_is_calibrated_after_check_exchanges(monkeypatch):
     """A codec 1.5x slower than predicted stays inside the drift band [0.5x, 2x], yet once it has run
     `check` exchanges auto re-decides with its measured cost and moves to the truly faster qsgd; with
     every chosen codec calibrated it then stops re-deciding."""
-    monkeypatch.setattr(AutoTuner, "_probe_link", _link())
     model = {"none": 40e-3, "qsgd": 9e-3, "topk": 8e-3}
     real = {"none": 40e-3, "qsgd": 9e-3, "topk": 12e-3}
-
-    def time_codec(self, c, b, grads):
-        return {"enc": 0.0, "dec": 0.0, "bytes": float(list(model).index(c.name))}
-
-    def predict(self, kind, numel, payload, enc, dec):
-        return model[list(model)[int(payload)]]
-
-    def exchange_time(self, seconds):
-        name = self.auto.candidates[self.choice[0]].name
-        self._measured.append(real[name])
-        self._periods.append(real[name] + 5e-3)
-
-    monkeypatch.setattr(AutoTuner, "_time_codec", time_codec)
-    monkeypatch.setattr(AutoTuner, "predict", predict)
-    monkeypatch.setattr(AutoTuner, "exchange_time", exchange_time)
+    _fake_costs(monkeypatch, model, real)
     spec = "auto:warmup=2,check=2,slack=0,candidates=none,qsgd:bits=8,topk:ratio=0.01"
     runs = run_pipeline(spec, _grads(12, 2), 2)
     for r in runs:
