@@ -373,7 +373,7 @@ class AutoTuner:
         k = 4
         for b in pipe.buckets:
             numel = sum(p.numel() for p in b.params)
-            best, best_t, per, times, kinds = 0, None, {}, [], []
+            per, times, kinds = {}, [], []
             for ci, c in enumerate(cands):
                 enc, dec, nbytes = float(mean[k]), float(mean[k + 1]), float(mean[k + 2])
                 k += 3
@@ -386,15 +386,13 @@ class AutoTuner:
                 t = self.predict(kind, numel, nbytes, enc, dec)
                 times.append(t)
                 per[self.auto.candidate_specs[ci]] = round(t * 1e3, 4)
-                if best_t is None or t < best_t * (1 - 1e-3):
-                    best, best_t = ci, t
-            all_times.append((best, times, numel, kinds))
+            all_times.append((times, numel, kinds))
             table.append(per)
-        self._calibrate(ran, [times[self.choice[b.index]] for b, (_, times, _, _) in zip(pipe.buckets, all_times)])
+        self._calibrate(ran, [times[self.choice[b.index]] for b, (times, _, _) in zip(pipe.buckets, all_times)])
         factor = self.calibration()
-        for i, (_, times, numel, kinds) in enumerate(all_times):
+        for i, (times, numel, kinds) in enumerate(all_times):
             times = [t * f for t, f in zip(times, factor)]
-            best = 0
+            best = 0  # the fastest (the first of near ties)
             for ci, t in enumerate(times):
                 if t < times[best] * (1 - 1e-3):
                     best = ci
@@ -445,9 +443,8 @@ class AutoTuner:
         ranks' mean) against ``predicted`` (per bucket, this decision's model); that ratio, clamped to
         [0.5, 10] (the model leaves costs out, it rarely counts too many: a much faster exchange means a
         disturbed probe) and smoothed geometrically, multiplies their predictions from now on. Untried
-        candidates take the smallest ratio seen until they run (``calibration``). Measured on the main job (2 ranks,
-        100 Mbit/s - 1 Gbit/s): exchanges took 2.5-4x the uncalibrated prediction, so top-k was
-        chosen where qsgd was faster."""
+        candidates take the smallest ratio seen until they run (``calibration``). Measured on the main
+        job (2 ranks, 100 Mbit/s - 1 Gbit/s): exchanges took 2.5-4x the uncalibrated prediction."""
         pred = sum(predicted)
         if measured <= 0 or pred <= 0:
             return

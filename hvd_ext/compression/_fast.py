@@ -307,7 +307,7 @@ SUM_CHUNK = 1 << 18  # float32 elements per pass of ``sum_float32`` on CPU (1 Mi
 
 def sum_float32(rows: Sequence[torch.Tensor], scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``(rows[0] + rows[1] + ...) * scale`` accumulated in float32, rank order, written to ``out``
-    (float32 by default; a float16 ``out`` re-rounds the result as a float16 ring sum would). The
+    (float32 by default; a half-precision ``out`` re-rounds the result as a half-precision ring sum would). The
     rows are 1-D, of one length, in any floating dtype (float16 / bfloat16 from the wire).
 
     The same values, bit for bit, as ``t = rows[0].float(); t.add_(r) ...; t.mul_(scale)``; on CPU

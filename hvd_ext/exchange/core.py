@@ -237,11 +237,12 @@ class Exchange:
             if first:
                 parts = parts + [torch.full((1,), flag_value, dtype=dtype, device=parts[0].device)]
             flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            tag = f"{name}.{str(dtype).split('.')[-1]}"
             if dtype == torch.bfloat16 or (dtype == torch.float16 and flat.device.type == "cpu" and N > 1):
-                handles.append(self._start_half_sum(flat, f"{name}.{str(dtype).split('.')[-1]}"))
+                handles.append(self._start_half_sum(flat, tag))
             else:
-                handles.append(tr.allreduce_async(flat, f"{name}.{str(dtype).split('.')[-1]}", op=self.op_name,
-                                                  prescale=self.prescale_factor, postscale=self.postscale_factor))
+                handles.append(tr.allreduce_async(flat, tag, op=self.op_name, prescale=self.prescale_factor,
+                                                  postscale=self.postscale_factor))
             metas.append((idxs, [payloads[i].numel() for i in idxs], first))
             nb = flat.numel() * flat.element_size()
             self._count("allreduce", nb, nb, cost.allreduce_wire(nb, N))

@@ -137,12 +137,8 @@ class MomentumTakeover:
         adam = isinstance(optimizer, self.ADAM_FAMILY) and self.adam_velocity()
         if not self._explicit_momentum and not (self.takes_over_adam_by_default if adam else self.takes_over_by_default):
             return
-        if adam:
-            self._optimizer = optimizer
-            self._adam = True
-            self._take_over_momentum(announce=True)
-        elif isinstance(optimizer, torch.optim.SGD):
-            self._optimizer = optimizer
+        if adam or isinstance(optimizer, torch.optim.SGD):
+            self._optimizer, self._adam = optimizer, adam
             self._take_over_momentum(announce=True)
         elif any("betas" in g for g in groups):
             if self.adam_momentum is not None and not self._explicit_momentum and self.momentum != self.adam_momentum:
@@ -157,52 +153,40 @@ class MomentumTakeover:
                              f"over), or put momentum=0 in the compression spec")
 
     def _take_over_momentum(self, announce: bool = False) -> None:
-        if self._adam:
-            return self._take_over_adam(announce)
-        groups = self._optimizer.param_groups
-        found = sorted({float(g.get("momentum", 0) or 0) for g in groups} - {0.0})
+        """Set the optimizer's momentum (SGD) or first moment (``betas[0]``, Adam family) to 0 and apply
+        its value here instead, unless the spec set ``momentum=``."""
+        groups, adam = self._optimizer.param_groups, self._adam
+        found = sorted({float(g["betas"][0] if adam else (g.get("momentum", 0) or 0)) for g in groups} - {0.0})
         if not found:
             return
+        what, field, zero = (("first moment", "betas[0]", "betas=(0, b2)") if adam
+                             else ("momentum", "momentum", "momentum=0"))
         if len(found) > 1:
-            raise ValueError(f"feedback '{self.name}' takes over the optimizer's momentum, but its parameter "
-                             f"groups have different momenta {found}: give every group the same momentum, "
-                             f"or create the optimizer with momentum=0 and put momentum= in the spec")
+            raise ValueError(f"feedback '{self.name}' takes over the optimizer's {what}, but its parameter "
+                             f"groups have different {field} {found}: give every group the same {field}, or "
+                             f"create the optimizer with {zero} and put momentum= in the compression spec")
         m = found[0]
-        special = any(g.get("nesterov") or float(g.get("dampening", 0) or 0) != 0 for g in groups)
+        special = not adam and any(g.get("nesterov") or float(g.get("dampening", 0) or 0) != 0 for g in groups)
         for g in groups:
-            g["momentum"] = 0.0
+            if adam:
+                g["betas"] = (0.0, g["betas"][1])
+            else:
+                g["momentum"] = 0.0
         if announce:
-            used = self.momentum if self._explicit_momentum else m
-            how = ("the momentum shared by every rank is compressed, as in 1-bit Adam, Tang et al. 2021"
-                   if getattr(self, "velocity", "local") == "exchanged" else "momentum correction, Lin et al. 2018")
-            warnings.warn(f"hvd_ext feedback '{self.name}': took over the optimizer's momentum {m} ({how}): the "
-                          f"optimizer now runs with momentum=0 and the momentum {used} is applied before compression"
-                          + (" (nesterov/dampening not reproduced)" if special else "")
-                          + ". To silence this, create the optimizer with momentum=0 (the feedback then uses "
-                            "the spec's momentum).", stacklevel=5)
+            if adam:
+                how = ("): the moment shared by every rank is compressed, as in 1-bit Adam (Tang et al. 2021), "
+                       "and the optimizer runs with betas[0]=0")
+            else:
+                used = self.momentum if self._explicit_momentum else m
+                how = ("the momentum shared by every rank is compressed, as in 1-bit Adam, Tang et al. 2021"
+                       if getattr(self, "velocity", "local") == "exchanged" else "momentum correction, Lin et al. 2018")
+                how = (f"; {how}): the optimizer now runs with momentum=0 and the momentum {used} is applied "
+                       "before compression" + (" (nesterov/dampening not reproduced)" if special else ""))
+            warnings.warn(f"hvd_ext feedback '{self.name}': took over {type(self._optimizer).__name__}'s {what} "
+                          f"({field}={m}{how}. To silence this, create the optimizer with {zero} (the feedback "
+                          "then uses the spec's momentum).", stacklevel=5)
         if not self._explicit_momentum:
             self.momentum = m
-        self._remember_taken()
-
-    def _take_over_adam(self, announce: bool) -> None:
-        groups = self._optimizer.param_groups
-        found = sorted({float(g["betas"][0]) for g in groups} - {0.0})
-        if not found:
-            return
-        if len(found) > 1:
-            raise ValueError(f"feedback '{self.name}' takes over the optimizer's first moment, but its parameter "
-                             f"groups have different betas[0] {found}: give every group the same betas, or "
-                             f"create the optimizer with betas=(0, b2) and put momentum= in the compression spec")
-        for g in groups:
-            g["betas"] = (0.0, g["betas"][1])
-        if announce:
-            warnings.warn(f"hvd_ext feedback '{self.name}': took over {type(self._optimizer).__name__}'s first "
-                          f"moment (betas[0]={found[0]}): the moment shared by every rank is compressed, as in "
-                          f"1-bit Adam (Tang et al. 2021), and the optimizer runs with betas[0]=0. To silence this, "
-                          f"create the optimizer with betas=(0, b2) (the feedback then uses the spec's momentum).",
-                          stacklevel=5)
-        if not self._explicit_momentum:
-            self.momentum = found[0]
         self._remember_taken()
 
     def _check_optimizer(self, info) -> None:

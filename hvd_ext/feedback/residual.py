@@ -81,8 +81,11 @@ class ResidualFeedback(MomentumTakeover, Feedback):
         if self.momentum and self.velocity == "exchanged":
             m_bar = self.memory.get(name + _M)
             if self._adam:  # Adam's first moment: an exponential average, m <- b1 m + (1 - b1) g
-                grad = grad * (1.0 - self.momentum)
-            grad = grad.clone() if m_bar is None else m_bar.to(grad.dtype) * self.momentum + grad
+                grad = grad * (1.0 - self.momentum)  # a new tensor
+            elif m_bar is None:
+                grad = grad.clone()
+            if m_bar is not None:
+                grad = m_bar.to(grad.dtype) * self.momentum + grad
         elif self.momentum:
             u_old = self.memory.get(name + _U)
             grad = grad.clone() if u_old is None else u_old.to(grad.dtype) * self.momentum + grad
