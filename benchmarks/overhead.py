@@ -5,8 +5,8 @@
     horovodrun -np 2 --gloo python benchmarks/overhead.py --model synthetic     # 10.7M parameters
     horovodrun -np 2 --gloo python benchmarks/overhead.py --profile none        # cProfile one method (rank 0)
 
-Each method (``horovod`` = ``hvd.DistributedOptimizer``; anything else is an
-hvd_ext spec) gets its own model and optimizer, and the methods take turns:
+Each method (``horovod`` = ``hvd.DistributedOptimizer``; ``compute`` = the same
+step with no exchange, the floor; anything else is an hvd_ext spec) gets its own model and optimizer, and the methods take turns:
 ``--rounds`` rounds of ``--steps`` timed steps each, so machine noise hits every
 method alike. Reported: median ms/step over rounds and the ratio to
 ``horovod`` measured in the same job. Use ``--json`` to keep the figures.
@@ -17,6 +17,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -64,6 +65,8 @@ def main(argv=None):
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if m == "horovod":
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        elif m == "compute":  # the floor: the same step with no exchange at all
+            pass
         else:
             kw = {"bucket_bytes": args.bucket_bytes} if args.bucket_bytes else {}
             opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=m, **kw)
@@ -110,7 +113,7 @@ def main(argv=None):
         print(f"{m:<24}{med * 1e3:>10.2f}{min(times[m]) * 1e3:>10.2f}{(f'{ratio:.3f}x' if ratio else '-'):>12}")
     if prof is not None:
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof, stream=s).sort_stats(os.environ.get("PROF_SORT", "tottime")).print_stats(int(os.environ.get("PROF_N", "25")))
         print(s.getvalue())
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "params": n_params, "size": hvd.size(),

@@ -620,8 +620,10 @@ def sparse_scatter_add_reference(out: torch.Tensor, indices_list: Sequence[torch
     s = torch.tensor(np.float32(scale))
     for idx, val in zip(indices_list, values_list):
         if idx.numel():
-            flat.index_add_(0, idx.reshape(-1).to(device=flat.device, dtype=torch.int64),
-                            (val.reshape(-1).to(device=flat.device, dtype=torch.float32) * s).to(flat.dtype))
+            v = val.reshape(-1).to(device=flat.device, dtype=torch.float32)
+            if scale != 1.0:
+                v = v * s
+            flat.index_add_(0, idx.reshape(-1).to(device=flat.device, dtype=torch.int64), v.to(flat.dtype))
     return out
 
 

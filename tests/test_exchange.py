@@ -143,6 +143,31 @@ def test_half_precision_allreduce_is_the_rounded_mean(size, spec, dtype, bound):
     assert runs[0].wire[0] == pytest.approx(cost.allreduce_wire(2 * (n + 1), size))
 
 
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("spec", ["none", "fp16", "bf16"])
+def test_reused_buffers_give_each_step_its_own_mean(size, spec):
+    """The dense codecs reuse their fused buffers and cast buffers from step to step (large CPU
+    tensors), and a 2-rank half-precision sum of >= 2**20 elements goes reduce-scatter + allgather:
+    every step's result is that step's mean (a result aliasing an earlier step's buffer would not be)."""
+    shapes = {"w": (300, 300), "big": ((1 << 20) + 3,), "v": (200, 400), "b": (7,)}
+    grads = make_grads(size, 3, seed=size, shapes=shapes)
+    for bucket_bytes in (25 * 1024 * 1024, 1 << 20):  # one bucket; one per tensor
+        runs = run_pipeline(spec, grads, size, bucket_bytes=bucket_bytes)
+        for step in range(3):
+            first = runs[0].results[step]
+            for run in runs:
+                for k in shapes:
+                    got = run.results[step][k]
+                    assert torch.equal(got, first[k]), (step, k)
+                    if spec == "none":
+                        assert torch.allclose(got, mean_of(grads, step, size)[k], atol=1e-6), (step, k)
+                    else:
+                        dt = torch.float16 if spec == "fp16" else torch.bfloat16
+                        rows = [grads[step][r][k].to(dt).float() for r in range(size)]
+                        want = (sum(rows[1:], rows[0].clone()) / size).to(dt).float()
+                        assert torch.equal(got, want), (step, k)
+
+
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("spec,bound", [("int8", 1e-3), ("qsgd:bits=8", 0.05), ("efsignsgd", 1.2),
                                         ("qdist:bits=3", 0.6), ("natural", 0.4), ("onebit", 1.2)])

@@ -169,6 +169,31 @@ def test_plan_buckets_is_deterministic_and_bounded():
             assert sum(params[i][1].numel() * 4 for i in bucket) <= 1200
 
 
+def test_first_bucket_takes_the_tensor_that_crosses_its_size():
+    """The first bucket (backward order) closes once it holds first_bucket_bytes, so a large last
+    layer goes in it and its exchange overlaps the rest of backward; no bucket exceeds bucket_bytes
+    unless it holds a single tensor."""
+    params = [(f"p{i}", torch.zeros(n)) for i, n in enumerate([400, 300, 200, 250, 10])]
+    b = plan_buckets(params, bucket_bytes=4000, first_bucket_bytes=800)
+    assert b[0] == [4, 3]  # 40 B, then 1000 B crosses 800 B: both in the first bucket
+    assert b[1:] == [[2, 1, 0]]
+    assert plan_buckets(params, bucket_bytes=900, first_bucket_bytes=800)[0] == [4]  # never past bucket_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_any_nonfinite(dtype):
+    from hvd_ext.compression._fast import any_nonfinite
+
+    big = torch.finfo(dtype).max
+    ok = [torch.randn(1000).to(dtype), torch.full((8,), big, dtype=dtype), torch.arange(5)]  # the sum overflows
+    assert not any_nonfinite(ok)
+    assert not any_nonfinite([])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(300).to(dtype)
+        t[123] = bad
+        assert any_nonfinite(ok + [t])
+
+
 def test_distributed_optimizer_rejects_bad_arguments_before_any_collective():
     # horovod is imported but NOT initialised: validation must fail first.
     import horovod.torch as hvd

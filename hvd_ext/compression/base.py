@@ -77,6 +77,9 @@ class TensorInfo:
     scale: Optional[float] = None
     sparse_indices: Optional[torch.Tensor] = None
     base_name: Optional[str] = None
+    # (payload, indices, values as decoded): what a sparse codec just packed, so decoding its own
+    # payload again (error feedback, the aggregate) is a lookup, not an unpack
+    sent_entries: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
     def __post_init__(self):
         if self.base_name is None:
@@ -117,6 +120,9 @@ class Compressor:
     # True when decode(encode(g)) == g up to float rounding (none, fp16, bf16): no error feedback, and an
     # adaptive optimizer's second moment is left live (hvd_ext.variance_freeze).
     lossless: ClassVar[bool] = False
+    # True when nothing keeps a decoded result past the step (none, fp16, bf16): the exchange may then
+    # reuse its fused buffers from step to step instead of allocating them anew.
+    transient_results: ClassVar[bool] = False
     # Dense exchanges before an adaptive optimizer's second moment is frozen (spec key variance_warmup=):
     # 0 for sparsifiers and quantizers, whose frozen moment is safest taken from the first, largest
     # gradients; the error-feedback sign codecs need 1-bit Adam's warm-up (they diverged without it).
@@ -269,7 +275,7 @@ def from_bytes(data: torch.Tensor, offset: int, dtype: torch.dtype, count: int) 
     """Read ``count`` elements of ``dtype`` at byte ``offset`` of a uint8 tensor.
 
     Copies when the offset is not aligned for ``dtype``. Returns (tensor, new offset)."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     nbytes = count * itemsize
     chunk = data[offset:offset + nbytes]
     if chunk.numel() != nbytes:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 
 from ..options import Option, fraction, non_negative
-from ._sparse import SparseCompressor, abs_score, count_for, topk_indices
+from ._sparse import SparseCompressor, abs_score, bucket_abs, count_for, topk_indices
 from .base import register
 from .topk import COMMON_OPTIONS
 
@@ -59,9 +59,9 @@ class DGCCompressor(SparseCompressor):
         self._plan = {}
         if self.scope != "model" or not items:
             return
-        scores = [u.reshape(-1).float().abs() for u, _ in items]
-        total = sum(s.numel() for s in scores)
-        self._plan_global(items, scores, count_for(self.density(items[0][1].step), total), self.mode, self.sample)
+        cat, sizes = bucket_abs(items)
+        self._plan_global(items, (cat, sizes), count_for(self.density(items[0][1].step), cat.numel()), self.mode,
+                          self.sample)
 
     def validate(self):
         if self.warmup_steps > 0 and self.start_ratio < self.ratio:

@@ -7,27 +7,42 @@ from __future__ import annotations
 
 import torch
 
+from . import _fast
 from .base import Compressor, register
 
 
 class CastCompressor(Compressor):
-    lossless = True
     """Cast floating gradients to ``wire_dtype`` for the allreduce, back after it."""
 
+    lossless = True
+    transient_results = True
     exchange = "allreduce"
     wire_dtype = torch.float16
 
     def compress(self, tensor, info):
         flat = tensor.reshape(-1)
         if flat.is_floating_point():
-            return flat.to(self.wire_dtype), flat.dtype
+            return _cast(flat, self.wire_dtype, "cast/in:" + info.name), flat.dtype
         return flat, flat.dtype
 
     def decompress(self, payload, ctx, info):
-        return payload.to(ctx).reshape(info.shape)
+        return _cast(payload.reshape(-1), ctx, "cast/out:" + info.name).reshape(info.shape)
 
     def wire_bytes(self, numel):
         return torch.empty(0, dtype=self.wire_dtype).element_size() * numel
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype, purpose: str) -> torch.Tensor:
+    """``t.to(dtype)``; on CPU into a buffer reused from step to step (``transient_results``): a fresh
+    multi-MB CPU tensor is page-faulted in on every step, which made the two casts cost more than the
+    allreduce they save (bf16 on a 10.7M-parameter model: 37 ms of a 280 ms step)."""
+    if t.dtype == dtype:
+        return t
+    if t.device.type != "cpu" or t.numel() < (1 << 16):
+        return t.to(dtype)
+    out = _fast.scratch(purpose, t.numel(), dtype, t.device)
+    out.copy_(t)
+    return out
 
 
 @register("fp16")

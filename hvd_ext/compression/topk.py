@@ -29,7 +29,7 @@ indices per 65536-chunk or int32). ``mode=exact,scope=layer`` has a fixed size,
 from __future__ import annotations
 
 from ..options import Option, fraction, non_negative
-from ._sparse import SparseCompressor, abs_score, count_for, payload_bytes, topk_indices
+from ._sparse import SparseCompressor, abs_score, bucket_abs, count_for, payload_bytes, topk_indices
 from .base import register
 
 COMMON_OPTIONS = {
@@ -64,9 +64,8 @@ class TopKCompressor(SparseCompressor):
         self._plan = {}
         if self.scope != "model" or not items:
             return
-        scores = [u.reshape(-1).float().abs() for u, _ in items]
-        total = sum(s.numel() for s in scores)
-        self._plan_global(items, scores, count_for(self.ratio, total), self.mode, self.sample)
+        cat, sizes = bucket_abs(items)
+        self._plan_global(items, (cat, sizes), count_for(self.ratio, cat.numel()), self.mode, self.sample)
 
     def wire_bytes(self, numel):
         if not self.fixed_size:

@@ -47,6 +47,7 @@ from typing import List, Optional
 
 import torch
 
+from ..compression._fast import any_nonfinite
 from ..compression.base import TensorInfo
 from .routes import Route, TensorRecord, make_route
 from .transport import offsets, split_sizes
@@ -130,7 +131,7 @@ class NodeAwareRoute(Route):
         scale = self.exchange.scale()
         parts = [r.reshape(-1).to(self.dtype) for r in results]
         mine = (torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype, device=self.device)) * scale
-        if not nf and not bool(torch.isfinite(mine).all()):
+        if not nf and any_nonfinite([mine]):
             nf = True  # linear codecs: a NaN/Inf reaches the reduced values, not a flag
         if self._use_mem and not nf:
             for k, rec in enumerate(self.inner_records):

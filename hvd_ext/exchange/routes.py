@@ -135,7 +135,7 @@ class AllreduceRoute(Route):
         self.compress_records(records)
         self.records = records
         self._pending = self.exchange.start_allreduce(f"hvd_ext.ar.{self.tag}", [r.payload for r in records],
-                                                      nonfinite)
+                                                      nonfinite, reuse=self.comp.transient_results)
 
     def finish(self):
         ex, comp = self.exchange, self.comp

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..compression._fast import any_nonfinite
 from ..options import Option
 from ._common import FlatState, check_optimizer_model, exchange_for, is_distributed_optimizer, resolve, stats_for
 
@@ -57,7 +58,7 @@ def finite_average(tensors: List[torch.Tensor], name: str, process_set=None) -> 
     never reaches the average and the bad rank gets the others' mean. If every rank is bad,
     nothing is exchanged and every rank keeps its own values. Returns (bytes, seconds, bad)."""
     ex = exchange_for(process_set)
-    bad = any(not bool(torch.isfinite(t).all()) for t in tensors)
+    bad = any_nonfinite(tensors)
     nbad = int(round(ex.allreduce_scalar(1.0 if bad else 0.0, f"{name}.nonfinite")))
     n = ex.size
     if nbad >= n:
