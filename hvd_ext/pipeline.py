@@ -41,6 +41,7 @@ class _Bucket:
     comp: Compressor
     ready: set = field(default_factory=set)
     started: bool = False
+    parts: Optional[List[TensorRecord]] = None  # the per-tensor records when the bucket went as one
 
 
 # Like PyTorch DDP's first bucket: the gradients backward produces first (the last layers) travel
@@ -198,6 +199,16 @@ class GradientPipeline:
                 flags.append(u)
             records.append(TensorRecord(name, p, info, u))
         nonfinite = any_nonfinite(flags)
+        b.parts = None
+        if (len(records) > 1 and comp is not self._warm and getattr(comp, "bucket_flat", False)
+                and b.route.name in ("allgather", "sparse_rs")):  # node-aware routes shard by tensor
+            # The codec compresses the bucket as one flat tensor (topk scope=model: one global top-k):
+            # one payload to pack, gather and decode instead of one per tensor. Feedback stays per tensor.
+            b.parts = records
+            u = torch.cat([r.u.reshape(-1).float() for r in records])
+            info = TensorInfo(name=f"\x00bucket{b.index}", shape=u.shape, step=self.step, rank=self.rank,
+                              size=self.size, param=None, scale=scale)
+            records = [TensorRecord(info.name, None, info, u)]
         # Optional hook: budgets spanning the tensors of a bucket (topk scope=model, sig, qdist budget).
         prepare = getattr(comp, "prepare_bucket", None)
         if prepare is not None:
@@ -228,14 +239,21 @@ class GradientPipeline:
             # A lossless codec under a shared memory (auto choosing none) sent all of u: memory cleared.
             lossless = use_fb and self.auto is not None and b.comp.name == "none"
             warm = b.comp is self._warm
-            for i, (rec, res, sup) in enumerate(zip(b.route.records, results, supports)):
+            records, sents = b.route.records, None
+            if b.parts is not None:  # one flat record: split the result back into the bucket's tensors
+                records, sizes = b.parts, [r.u.numel() for r in b.parts]
+                results = list(results[0].reshape(-1).split(sizes))
+                supports = list(supports[0].reshape(-1).split(sizes)) if supports[0] is not None else [None] * len(sizes)
+                if use_fb and not (warm or lossless):  # a bucket_flat codec's contribution ignores the result
+                    sents = b.route.sent(0, None).reshape(-1).split(sizes)
+            for i, (rec, res, sup) in enumerate(zip(records, results, supports)):
                 if warm:
                     pass
                 elif lossless:
                     fb.forget(rec.name)
                 elif use_fb:
                     res = fb.adjust(rec.name, res, rec.info, sup)
-                    sent = b.route.sent(i, res)
+                    sent = b.route.sent(i, res) if sents is None else sents[i]
                     fb.update(rec.name, rec.u, sent.reshape(rec.u.shape), rec.info)
                 p = rec.param
                 g = p.grad
@@ -248,6 +266,7 @@ class GradientPipeline:
             b.started = False
             b.ready.clear()
             b.route.records = []
+            b.parts = None
         if nonfinite:
             fb.discard()
             comp.discard()
@@ -275,6 +294,7 @@ class GradientPipeline:
             b.started = False
             b.ready.clear()
             b.route.records = []
+            b.parts = None
         self._step_code_s = 0.0
 
     # ---- checkpoint --------------------------------------------------------------------------

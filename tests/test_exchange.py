@@ -169,6 +169,32 @@ def test_reused_buffers_give_each_step_its_own_mean(size, spec):
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "topk:ratio=0.05,feedback=ewma", "topk:ratio=0.05,values=fp16"])
+def test_flat_bucket_equals_per_tensor_payloads(size, spec, monkeypatch):
+    """topk scope=model goes as one flat payload per bucket (allgather at N=2, sparse reduce-scatter
+    beyond): the same global top-k, so results and error-feedback memories equal those of one
+    payload per tensor, step after step."""
+    from hvd_ext.compression.topk import TopKCompressor
+
+    grads = make_grads(size, 3, seed=7)
+    flat = run_pipeline(spec, grads, size)
+    assert flat[0].pipeline.compressor.bucket_flat
+    monkeypatch.setattr(TopKCompressor, "bucket_flat", property(lambda self: False))
+    per_tensor = run_pipeline(spec, grads, size)
+    assert flat[0].routes == per_tensor[0].routes
+    for a, b in zip(flat, per_tensor):
+        for step in range(3):
+            for k in SHAPES:
+                assert torch.allclose(a.results[step][k], b.results[step][k], atol=1e-6), (step, k)
+        ma, mb = a.pipeline.feedback.state_dict()["memory"], b.pipeline.feedback.state_dict()["memory"]
+        assert set(ma) == set(mb) and set(SHAPES) <= set(ma)
+        for k in ma:
+            assert torch.allclose(ma[k], mb[k], atol=1e-6), k
+        # one payload per bucket: fewer header bytes than one per tensor
+        assert a.exchange.stats.bytes_sent < b.exchange.stats.bytes_sent
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("spec,bound", [("int8", 1e-3), ("qsgd:bits=8", 0.05), ("efsignsgd", 1.2),
                                         ("qdist:bits=3", 0.6), ("natural", 0.4), ("onebit", 1.2)])
 def test_twophase_matches_the_mean_within_codec_error(size, spec, bound):
