@@ -207,7 +207,8 @@ class GradientPipeline:
             b.parts = records
             u = torch.cat([r.u.reshape(-1).float() for r in records])
             info = TensorInfo(name=f"\x00bucket{b.index}", shape=u.shape, step=self.step, rank=self.rank,
-                              size=self.size, param=None, scale=scale)
+                              size=self.size, param=None, scale=scale,
+                              segments=[(r.name, r.u.numel(), r.info.param) for r in records])
             records = [TensorRecord(info.name, None, info, u)]
         # Optional hook: budgets spanning the tensors of a bucket (topk scope=model, sig, qdist budget).
         prepare = getattr(comp, "prepare_bucket", None)

@@ -169,18 +169,23 @@ def test_reused_buffers_give_each_step_its_own_mean(size, spec):
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
-@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "topk:ratio=0.05,feedback=ewma", "topk:ratio=0.05,values=fp16"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "topk:ratio=0.05,feedback=ewma", "topk:ratio=0.05,values=fp16",
+                                  "sig:ratio=0.05", "sig:ratio=0.05,split=layer,mode=sampled",
+                                  "sig:ratio=0.05,split=global,feedback=ewma"])
 def test_flat_bucket_equals_per_tensor_payloads(size, spec, monkeypatch):
-    """topk scope=model goes as one flat payload per bucket (allgather at N=2, sparse reduce-scatter
-    beyond): the same global top-k, so results and error-feedback memories equal those of one
-    payload per tensor, step after step."""
+    """topk scope=model and sig go as one flat payload per bucket (allgather at N=2, sparse
+    reduce-scatter beyond): the same selection (sig still scores and budgets every tensor with its
+    own parameter), so results and error-feedback memories equal those of one payload per tensor."""
+    from hvd_ext.compression.sig import SignificanceCompressor
     from hvd_ext.compression.topk import TopKCompressor
 
     grads = make_grads(size, 3, seed=7)
-    flat = run_pipeline(spec, grads, size)
+    params = {k: torch.rand(*s) + 0.1 for k, s in SHAPES.items()}
+    flat = run_pipeline(spec, grads, size, params=params)
     assert flat[0].pipeline.compressor.bucket_flat
-    monkeypatch.setattr(TopKCompressor, "bucket_flat", property(lambda self: False))
-    per_tensor = run_pipeline(spec, grads, size)
+    for cls in (TopKCompressor, SignificanceCompressor):
+        monkeypatch.setattr(cls, "bucket_flat", property(lambda self: False))
+    per_tensor = run_pipeline(spec, grads, size, params=params)
     assert flat[0].routes == per_tensor[0].routes
     for a, b in zip(flat, per_tensor):
         for step in range(3):

@@ -80,6 +80,8 @@ class TensorInfo:
     # (payload, indices, values as decoded): what a sparse codec just packed, so decoding its own
     # payload again (error feedback, the aggregate) is a lookup, not an unpack
     sent_entries: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    # (name, numel, parameter) of each tensor a flat bucket record concatenates (``bucket_flat`` codecs)
+    segments: Optional[List[Tuple[str, int, Optional[torch.Tensor]]]] = None
 
     def __post_init__(self):
         if self.base_name is None:

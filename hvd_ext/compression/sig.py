@@ -25,6 +25,8 @@ layers by their |u| mass: that is the split, not the score.)
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..options import Option, non_negative, positive
@@ -62,8 +64,17 @@ class SignificanceCompressor(SparseCompressor):
     def select(self, flat, info):
         return self._select_k(self.score(flat, info, reuse=True), count_for(self.ratio, flat.numel()), info)
 
+    @property
+    def bucket_flat(self) -> bool:
+        """The pipeline may hand a bucket over as one flat tensor with its ``segments`` (one payload
+        per bucket); the selection below still scores and budgets every tensor on its own."""
+        return getattr(self.feedback, "name", "none") in ("none", "residual", "ewma")
+
     def prepare_bucket(self, items):
         self._plan = {}
+        if len(items) == 1 and items[0][1].segments:
+            self._plan_flat(*items[0])
+            return
         if self.split == "layer" or not items:
             return
         scores = [self.score(u.reshape(-1).float(), info) for u, info in items]
@@ -77,3 +88,23 @@ class SignificanceCompressor(SparseCompressor):
                               for s in scores]).tolist()
         for (u, info), s, k in zip(items, scores, split_budget(total_k, masses, sizes)):
             self._plan[(info.name, info.step)] = self._select_k(s, k, info)
+
+    def _plan_flat(self, u, info):
+        """A flat bucket record: plan its tensors (``info.segments``) as a bucket of separate tensors,
+        then join their selections into indices of the flat tensor."""
+        flat = u.reshape(-1)
+        subs, off = [], 0
+        for name, n, param in info.segments:
+            subs.append((flat[off:off + n], replace(info, name=name, shape=torch.Size([n]), param=param,
+                                                   segments=None, base_name=None)))
+            off += n
+        if self.split != "layer":
+            self.prepare_bucket(subs)
+        parts, off = [], 0
+        for su, si in subs:
+            idx = self._plan.pop((si.name, si.step), None)
+            if idx is None:
+                idx = self.select(su, si)
+            parts.append(idx + off)
+            off += su.numel()
+        self._plan = {(info.name, info.step): torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)}
