@@ -111,6 +111,13 @@ def main(argv=None):
         rows.append({"method": m, "ms_per_step": med * 1e3, "min_ms": min(times[m]) * 1e3, "vs_horovod": ratio,
                      "rounds_ms": [t * 1e3 for t in times[m]]})
         print(f"{m:<24}{med * 1e3:>10.2f}{min(times[m]) * 1e3:>10.2f}{(f'{ratio:.3f}x' if ratio else '-'):>12}")
+    for m in args.methods:  # what compression="auto" chose, and from what
+        auto = getattr(runs[m][1], "stats", None)
+        auto = auto.extra.get("auto") if auto is not None and hasattr(auto, "extra") else None
+        if auto:
+            last = auto.get("last") or {}
+            print(f"{m}: codec per bucket {auto['choice']} after {auto['decisions']} decision(s); "
+                  f"link {last.get('link')}; predicted ms per candidate {last.get('predicted_ms_per_candidate')}")
     if prof is not None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(os.environ.get("PROF_SORT", "tottime")).print_stats(int(os.environ.get("PROF_N", "25")))
