@@ -168,6 +168,17 @@ def test_reused_buffers_give_each_step_its_own_mean(size, spec):
                         assert torch.equal(got, want), (step, k)
 
 
+@pytest.mark.parametrize("spec,bound", [("fp16:feedback=residual", 1e-6), ("bf16:feedback=residual", 1e-4)])
+def test_cast_codec_with_feedback_keeps_the_average(spec, bound):
+    """Under error feedback (as compression=auto runs a chosen fp16/bf16) the codec decodes its own
+    payload after the average: that must not land in the buffer holding the average."""
+    shapes = {"w": (300, 300), "b": (7,)}
+    grads = make_grads(2, 3, seed=1, shapes=shapes)
+    runs = run_pipeline(spec, grads, 2)
+    for step in range(3):
+        assert relerr(runs[0].results[step], mean_of(grads, step, 2)) < bound, step
+
+
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("spec", ["topk:ratio=0.05", "topk:ratio=0.05,feedback=ewma", "topk:ratio=0.05,values=fp16",
                                   "sig:ratio=0.05", "sig:ratio=0.05,split=layer,mode=sampled",

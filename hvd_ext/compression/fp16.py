@@ -28,6 +28,10 @@ class CastCompressor(Compressor):
     def decompress(self, payload, ctx, info):
         return _cast(payload.reshape(-1), ctx, "cast/out:" + info.name).reshape(info.shape)
 
+    def local_contribution(self, payload, ctx, info, result):
+        # its own buffer: ``result`` (the decompressed average) may live in the "cast/out" one
+        return _cast(payload.reshape(-1), ctx, "cast/sent:" + info.name).reshape(info.shape)
+
     def wire_bytes(self, numel):
         return torch.empty(0, dtype=self.wire_dtype).element_size() * numel
 
