@@ -237,8 +237,9 @@ class GradientPipeline:
             results, supports, nf = b.route.finish()
             nonfinite = nonfinite or nf
             t0 = time.perf_counter()
-            # A lossless codec under a shared memory (auto choosing none) sent all of u: memory cleared.
-            lossless = use_fb and self.auto is not None and b.comp.name == "none"
+            # A lossless codec under a shared memory (auto choosing none, fp16 or bf16) sent all of u (up to
+            # rounding, which plain fp16/bf16 drop too): memory cleared, no per-step residual to keep.
+            lossless = use_fb and self.auto is not None and b.comp.lossless
             warm = b.comp is self._warm
             records, sents = b.route.records, None
             if b.parts is not None:  # one flat record: split the result back into the bucket's tensors
