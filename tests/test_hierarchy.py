@@ -30,7 +30,7 @@ from simgrads import SHAPES, make_grads, mean_of, relerr
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = list(reversed(list(SHAPES)))  # one bucket, filled in reverse parameter order
-LAYOUTS = [(4, 2), (6, 3)]           # (N, ranks per node): 2 nodes x 2, 2 nodes x 3
+LAYOUTS = [(4, 2), (6, 3), (6, 2)]   # (N, ranks per node): 2 nodes x 2, 2 nodes x 3, 3 nodes x 2
 
 
 def with_key(spec, kv):
@@ -401,3 +401,28 @@ def test_elastic_jobs_stay_flat(monkeypatch):
     monkeypatch.setenv("HOROVOD_ELASTIC", "1")
     assert choose_route(hvd_ext.compression_from_spec("qsgd:bits=8"), "auto", 10 ** 6, 4,
                         exchange=_Ex(Topology(0, 2, 0, 2))) == "twophase"
+
+
+@pytest.mark.parametrize("size,L", LAYOUTS)
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "topk:ratio=0.05,values=fp16", "sig:ratio=0.05"])
+def test_node_aware_flat_shard_equals_per_segment_payloads(size, L, spec, monkeypatch):
+    """Across nodes a shard goes as one flat payload (bucket_flat codecs), its node memories kept per
+    segment: results and memories equal those of one payload per segment, at 2 and 3 nodes."""
+    from hvd_ext.compression.sig import SignificanceCompressor
+    from hvd_ext.compression.topk import TopKCompressor
+
+    grads = make_grads(size, 3, seed=5)
+    params = {k: torch.rand(*s) + 0.1 for k, s in SHAPES.items()}
+    flat = run_pipeline(spec, grads, size, params=params, ranks_per_node=L)
+    assert flat[0].routes[0].startswith("node:")
+    for cls in (TopKCompressor, SignificanceCompressor):
+        monkeypatch.setattr(cls, "bucket_flat", property(lambda self: False))
+    seg = run_pipeline(spec, grads, size, params=params, ranks_per_node=L)
+    for a, b in zip(flat, seg):
+        for step in range(3):
+            for k in SHAPES:
+                assert torch.allclose(a.results[step][k], b.results[step][k], atol=1e-6), (step, k)
+        ma, mb = a.pipeline.owner_memory.memory, b.pipeline.owner_memory.memory
+        assert set(ma) == set(mb)
+        for k in ma:
+            assert torch.allclose(ma[k].float(), mb[k].float(), atol=1e-6), k

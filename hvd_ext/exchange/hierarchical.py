@@ -69,6 +69,7 @@ class NodeAwareRoute(Route):
         self._use_mem = (memory is not None and getattr(comp.feedback, "name", "none") != "none")
         self._rs = None
         self._inner_started = False
+        self._flat = False
 
     # ---- phase 1: dense reduce-scatter inside the node ---------------------------------------
     def start(self, records, nonfinite):
@@ -111,11 +112,21 @@ class NodeAwareRoute(Route):
             inner.append(TensorRecord(name, rec.param, info, u))
         self._nf1 = nf
         self.inner_records = inner
+        send = inner
+        if (len(inner) > 1 and getattr(self.comp, "bucket_flat", False)
+                and self.inner.name in ("allgather", "sparse_rs")):
+            # the shard as one flat payload (as the pipeline does for a flat bucket); memories stay per segment
+            u = torch.cat([r.u.reshape(-1).float() for r in inner])
+            info = TensorInfo(name=f"\x00node.{self.tag}", shape=u.shape, step=inner[0].info.step, rank=cex.rank,
+                              size=cex.size, param=None, scale=cex.scale(),
+                              segments=[(r.name, r.u.numel(), r.info.param) for r in inner])
+            send = [TensorRecord(info.name, None, info, u)]
+        self._flat = send is not inner
         prepare = getattr(self.comp, "prepare_bucket", None)
-        if prepare is not None and inner:
-            prepare([(r.u, r.info) for r in inner])
+        if prepare is not None and send:
+            prepare([(r.u, r.info) for r in send])
         code0 = self.inner.code_s
-        self.inner.start(inner, nf)
+        self.inner.start(send, nf)
         self.code_s += time.perf_counter() - t0 - (self.inner.code_s - code0)
         self._inner_started = True
 
@@ -127,6 +138,12 @@ class NodeAwareRoute(Route):
         results, _, nf = self.inner.finish()
         self.code_s += self.inner.code_s - code0
         t0 = time.perf_counter()
+        sents = None
+        if self._flat:
+            sizes = [r.u.numel() for r in self.inner_records]
+            results = list(results[0].reshape(-1).split(sizes))
+            if self._use_mem:  # a bucket_flat codec's contribution does not depend on the result
+                sents = self.inner.sent(0, None).reshape(-1).split(sizes)
         nf = nf or self._nf1
         scale = self.exchange.scale()
         parts = [r.reshape(-1).to(self.dtype) for r in results]
@@ -135,7 +152,7 @@ class NodeAwareRoute(Route):
             nf = True  # linear codecs: a NaN/Inf reaches the reduced values, not a flag
         if self._use_mem and not nf:
             for k, rec in enumerate(self.inner_records):
-                sent = self.inner.sent(k, results[k])
+                sent = self.inner.sent(k, results[k]) if sents is None else sents[k]
                 self.memory.stage(rec.name, (rec.u - sent.reshape(rec.u.shape).to(rec.u.dtype)).detach())
         flag = torch.full((1,), 1.0 if nf else 0.0, dtype=self.dtype, device=mine.device)
         self.code_s += time.perf_counter() - t0
