@@ -212,8 +212,12 @@ def test_a_new_choice_is_calibrated_after_check_exchanges(monkeypatch):
     model = {"none": 40e-3, "qsgd": 9e-3, "topk": 8e-3}
     real = {"none": 40e-3, "qsgd": 9e-3, "topk": 12e-3}
     _fake_costs(monkeypatch, model, real)
+    probes = []
+    link = _link()
+    monkeypatch.setattr(AutoTuner, "_probe_link", lambda self: probes.append(self.pipe.rank) or link(self))
     spec = "auto:warmup=2,check=2,slack=0,candidates=none,qsgd:bits=8,topk:ratio=0.01"
     runs = run_pipeline(spec, _grads(12, 2), 2)
+    assert sorted(probes) == [0, 1]  # the calibrate re-decisions reuse the link measured at warm-up
     for r in runs:
         d = r.pipeline.auto.decisions
         assert [x["reason"] for x in d][:3] == ["warmup", "calibrate", "calibrate"], d
