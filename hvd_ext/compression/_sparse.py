@@ -463,6 +463,7 @@ class SparseCompressor(Compressor):
         for n in sizes:
             starts.append(starts[-1] + n)
         # one search for every tensor boundary (sel is ascending)
-        cuts = torch.searchsorted(sel, torch.tensor(starts, dtype=sel.dtype)).tolist() if sel.numel() else [0] * len(starts)
+        bounds = torch.tensor(starts, dtype=sel.dtype, device=sel.device)
+        cuts = torch.searchsorted(sel, bounds).tolist() if sel.numel() else [0] * len(starts)
         for j, (u, info) in enumerate(items):
             self._plan[(info.name, info.step)] = sel[cuts[j]:cuts[j + 1]] - starts[j]
