@@ -28,7 +28,7 @@ from .compression.base import Compressor, TensorInfo
 from .compression.none import NoneCompressor
 from .exchange import Exchange
 from .auto import AutoCompression, AutoTuner
-from .exchange.routes import OwnerMemory, Route, TensorRecord, choose_route, make_route
+from .exchange.routes import OwnerMemory, Route, TensorRecord, choose_route, flat_record, make_route, split_flat
 from .feedback.base import Feedback, NoFeedback
 
 
@@ -199,17 +199,10 @@ class GradientPipeline:
                 flags.append(u)
             records.append(TensorRecord(name, p, info, u))
         nonfinite = any_nonfinite(flags)
-        b.parts = None
-        if (len(records) > 1 and comp is not self._warm and getattr(comp, "bucket_flat", False)
-                and b.route.name in ("allgather", "sparse_rs")):  # node-aware routes shard by tensor
-            # The codec compresses the bucket as one flat tensor (topk scope=model: one global top-k):
-            # one payload to pack, gather and decode instead of one per tensor. Feedback stays per tensor.
-            b.parts = records
-            u = torch.cat([r.u.reshape(-1).float() for r in records])
-            info = TensorInfo(name=f"\x00bucket{b.index}", shape=u.shape, step=self.step, rank=self.rank,
-                              size=self.size, param=None, scale=scale,
-                              segments=[(r.name, r.u.numel(), r.info.param) for r in records])
-            records = [TensorRecord(info.name, None, info, u)]
+        flat = flat_record(comp, b.route, records, f"\x00bucket{b.index}")  # one payload per bucket?
+        b.parts = records if flat is not None else None
+        if flat is not None:
+            records = [flat]
         # Optional hook: budgets spanning the tensors of a bucket (topk scope=model, sig, qdist budget).
         prepare = getattr(comp, "prepare_bucket", None)
         if prepare is not None:
@@ -243,11 +236,11 @@ class GradientPipeline:
             warm = b.comp is self._warm
             records, sents = b.route.records, None
             if b.parts is not None:  # one flat record: split the result back into the bucket's tensors
-                records, sizes = b.parts, [r.u.numel() for r in b.parts]
-                results = list(results[0].reshape(-1).split(sizes))
-                supports = list(supports[0].reshape(-1).split(sizes)) if supports[0] is not None else [None] * len(sizes)
+                records = b.parts
+                results = split_flat(results[0], records)
+                supports = split_flat(supports[0], records) if supports[0] is not None else [None] * len(records)
                 if use_fb and not (warm or lossless):  # a bucket_flat codec's contribution ignores the result
-                    sents = b.route.sent(0, None).reshape(-1).split(sizes)
+                    sents = split_flat(b.route.sent(0, None), records)
             for i, (rec, res, sup) in enumerate(zip(records, results, supports)):
                 if warm:
                     pass

@@ -371,6 +371,17 @@ class SparseCompressor(Compressor):
         """Ascending int64 indices of the coordinates of ``flat`` (float32) to send."""
         raise NotImplementedError
 
+    # Whether the codec selects over a whole bucket (topk scope=model; sig, which budgets per tensor
+    # from the flat record's segments); see ``bucket_flat``.
+    def _selects_over_bucket(self) -> bool:
+        return False
+
+    @property
+    def bucket_flat(self) -> bool:
+        """The pipeline may hand a bucket over as one flat record (one payload per bucket), with the
+        feedbacks that work per coordinate on what was sent (none, residual, ewma)."""
+        return self._selects_over_bucket() and getattr(self.feedback, "name", "none") in ("none", "residual", "ewma")
+
     def _gen(self, info, name: Optional[str] = None) -> torch.Generator:
         return generator(getattr(self, "seed", 0), info.step, name or info.name, info.rank)
 

@@ -64,11 +64,8 @@ class SignificanceCompressor(SparseCompressor):
     def select(self, flat, info):
         return self._select_k(self.score(flat, info, reuse=True), count_for(self.ratio, flat.numel()), info)
 
-    @property
-    def bucket_flat(self) -> bool:
-        """The pipeline may hand a bucket over as one flat tensor with its ``segments`` (one payload
-        per bucket); the selection below still scores and budgets every tensor on its own."""
-        return getattr(self.feedback, "name", "none") in ("none", "residual", "ewma")
+    def _selects_over_bucket(self):
+        return True  # a flat record's segments are scored and budgeted as separate tensors (_plan_flat)
 
     def prepare_bucket(self, items):
         self._plan = {}

@@ -51,11 +51,8 @@ class TopKCompressor(SparseCompressor):
         # instance attribute: only exact per-layer top-k has a size fixed by n
         self.fixed_size = self.mode == "exact" and self.scope == "layer"
 
-    @property
-    def bucket_flat(self) -> bool:
-        """scope=model: the pipeline hands the bucket over as one flat tensor (one top-k, one payload);
-        with the feedbacks that work per coordinate on what was sent (none, residual, ewma)."""
-        return self.scope == "model" and getattr(self.feedback, "name", "none") in ("none", "residual", "ewma")
+    def _selects_over_bucket(self):
+        return self.scope == "model"  # one top-k over the bucket: the flat record needs no segments
 
     def select_k(self, score, k, info):
         if self.mode == "sampled":

@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..compression._fast import any_nonfinite
 from . import cost
 from .transport import HorovodTransport, Transport
 
@@ -344,16 +345,9 @@ class Exchange:
             for i, sz in zip(idxs, sizes):
                 result[i] = flat[off:off + sz]
                 off += sz
-            if flat.is_floating_point():
-                # One reduction pass per buffer (a NaN/Inf on any rank makes the reduced sum
-                # non-finite); only a non-finite total pays for the exact elementwise test.
-                # The trailing flag element is part of the buffer, so this also reads it. Half precision
-                # is summed in its own dtype (torch accumulates in float32 inside; 4x faster than asking
-                # for a float32 result on CPU): a finite sum that overflows only costs the exact test.
-                half = flat.dtype in (torch.float16, torch.bfloat16)
-                total = flat.sum() if half else flat.sum(dtype=torch.float32)
-                if not bool(torch.isfinite(total)):
-                    nonfinite = nonfinite or not bool(torch.isfinite(flat).all())
+            # A NaN/Inf on any rank makes the reduced buffer non-finite (the trailing flag element
+            # is part of it): one sum, and the exact test only when that sum is not finite.
+            nonfinite = nonfinite or any_nonfinite([flat])
             if has_flag:
                 nonfinite = nonfinite or bool(flat[off].item() != 0)
         return result, nonfinite

@@ -49,7 +49,7 @@ import torch
 
 from ..compression._fast import any_nonfinite
 from ..compression.base import TensorInfo
-from .routes import Route, TensorRecord, make_route
+from .routes import Route, TensorRecord, flat_record, make_route, split_flat
 from .transport import offsets, split_sizes
 from .twophase import segments
 
@@ -112,16 +112,10 @@ class NodeAwareRoute(Route):
             inner.append(TensorRecord(name, rec.param, info, u))
         self._nf1 = nf
         self.inner_records = inner
-        send = inner
-        if (len(inner) > 1 and getattr(self.comp, "bucket_flat", False)
-                and self.inner.name in ("allgather", "sparse_rs")):
-            # the shard as one flat payload (as the pipeline does for a flat bucket); memories stay per segment
-            u = torch.cat([r.u.reshape(-1).float() for r in inner])
-            info = TensorInfo(name=f"\x00node.{self.tag}", shape=u.shape, step=inner[0].info.step, rank=cex.rank,
-                              size=cex.size, param=None, scale=cex.scale(),
-                              segments=[(r.name, r.u.numel(), r.info.param) for r in inner])
-            send = [TensorRecord(info.name, None, info, u)]
-        self._flat = send is not inner
+        # the shard as one flat payload (as the pipeline does for a bucket); memories stay per segment
+        flat = flat_record(self.comp, self.inner, inner, f"\x00node.{self.tag}")
+        self._flat = flat is not None
+        send = [flat] if self._flat else inner
         prepare = getattr(self.comp, "prepare_bucket", None)
         if prepare is not None and send:
             prepare([(r.u, r.info) for r in send])
@@ -140,10 +134,9 @@ class NodeAwareRoute(Route):
         t0 = time.perf_counter()
         sents = None
         if self._flat:
-            sizes = [r.u.numel() for r in self.inner_records]
-            results = list(results[0].reshape(-1).split(sizes))
+            results = split_flat(results[0], self.inner_records)
             if self._use_mem:  # a bucket_flat codec's contribution does not depend on the result
-                sents = self.inner.sent(0, None).reshape(-1).split(sizes)
+                sents = split_flat(self.inner.sent(0, None), self.inner_records)
         nf = nf or self._nf1
         scale = self.exchange.scale()
         parts = [r.reshape(-1).to(self.dtype) for r in results]

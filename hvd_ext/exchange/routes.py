@@ -62,6 +62,25 @@ class TensorRecord:
     ctx: Any = None
 
 
+def flat_record(comp: Compressor, route: "Route", records: List[TensorRecord], name: str) -> Optional[TensorRecord]:
+    """One record standing for ``records`` when ``comp`` is ``bucket_flat`` (topk scope=model, sig) and
+    ``route`` sends whole tensors (allgather, sparse_rs): one payload per bucket (or node shard)
+    instead of one per tensor. Its ``TensorInfo.segments`` name the tensors; the feedback keeps
+    working per tensor on :func:`split_flat` of the results. None when the records go as they are."""
+    if len(records) < 2 or not getattr(comp, "bucket_flat", False) or route.name not in ("allgather", "sparse_rs"):
+        return None
+    u = torch.cat([r.u.reshape(-1).float() for r in records])
+    i0 = records[0].info
+    info = TensorInfo(name=name, shape=u.shape, step=i0.step, rank=i0.rank, size=i0.size, param=None,
+                      scale=i0.scale, segments=[(r.name, r.u.numel(), r.info.param) for r in records])
+    return TensorRecord(name, None, info, u)
+
+
+def split_flat(t: torch.Tensor, records: List[TensorRecord]) -> List[torch.Tensor]:
+    """A flat record's tensor (result, support, what was sent) cut back into ``records``' pieces."""
+    return list(t.reshape(-1).split([r.u.numel() for r in records]))
+
+
 class OwnerMemory:
     """Error-feedback memory kept by a shard's owner (two-phase / sparse reduce-scatter):
     what its re-compression did not send is added to the next step's shard.
