@@ -282,18 +282,12 @@ class AutoTuner:
     def _probe_link(self) -> Dict[str, float]:
         ex, N = self.pipe.exchange, self.pipe.size
         from .exchange import cost
+        from .exchange.probe import best_time
 
         small, large = torch.zeros(_PROBE_SMALL), torch.zeros(_PROBE_LARGE)
         self._allreduce(small, "hvd_ext.auto.sync")  # start together
-        times = {}
-        for label, t, reps in (("small", small, 5), ("large", large, 3)):
-            best = None
-            for i in range(reps):
-                t0 = time.perf_counter()
-                self._allreduce(t, f"hvd_ext.auto.probe.{label}")
-                dt = time.perf_counter() - t0
-                best = dt if best is None else min(best, dt)
-            times[label] = best
+        times = {label: best_time(lambda: self._allreduce(t, f"hvd_ext.auto.probe.{label}"), reps)
+                 for label, t, reps in (("small", small, 5), ("large", large, 3))}
         wire = cost.allreduce_wire(4.0 * (_PROBE_LARGE - _PROBE_SMALL), N)
         return {"lat": times["small"], "large": times["large"], "wire": wire}
 
@@ -386,11 +380,11 @@ class AutoTuner:
             for ci, c in enumerate(cands):
                 enc, dec, nbytes = float(mean[k]), float(mean[k + 1]), float(mean[k + 2])
                 k += 3
-                # The route by the cost model with this job's measured link and codec speed (the
-                # pipeline's first choice used default constants).
+                # The route by the cost model with this job's measured link and codec speed (across
+                # nodes: the node links the exchange measured once, Exchange.node_model).
                 link = cost.LinkModel(alpha=lat, bandwidth=self.link["bw"], codec=numel / max(enc + dec, 1e-9))
                 kind = choose_route(c, getattr(c, "route", "auto"), numel, pipe.size, link=link,
-                                    exchange=pipe.exchange, model=cost.NodeModel(inter=link))
+                                    exchange=pipe.exchange, codec=link.codec, device=b.params[0].device)
                 kinds.append(kind)
                 t = self.predict(kind, numel, nbytes, enc, dec)
                 times.append(t)

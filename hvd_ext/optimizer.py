@@ -338,10 +338,9 @@ class _DistributedMixin:
         self._sparse, self._sparse_ids, self._sparse_dim = [], set(), {}
         self._sparse_seen = {}
         self._sparse_probed = self._sparse_as_dense
-        # Node-aware routes cache the per-node process sets of a world; Horovod dropped them on reinit.
-        cache = getattr(sys.modules.get("hvd_ext.exchange.transport"), "_NODE_GROUPS", None)
-        if isinstance(cache, dict):
-            cache.pop(id(getattr(self._exchange.transport, "process_set", None)), None)
+        # Node-aware routes cache the per-node process sets of a world (Horovod dropped them on reinit)
+        # and the links measured between them.
+        self._exchange.forget_nodes()
         self._pipeline = GradientPipeline(self._trainable, self._compression, self._compression.feedback,
                                           self._exchange, self._bucket_bytes, dense_steps=self._dense_steps)
         self._pipeline.load_state_dict(state)
@@ -475,6 +474,8 @@ class _DistributedMixin:
         extra = self.stats.extra
         extra["routes"] = self._pipeline.routes if hasattr(self._pipeline, "routes") else []
         extra["wire_by_link"] = dict(getattr(ex, "wire_by_link", {}) or {})
+        if getattr(self._exchange, "node_links", None):  # multi-node: the links the routes were chosen for
+            extra["node_links"] = self._exchange.node_links
         auto = getattr(self._pipeline, "auto", None)
         if auto is not None:  # compression="auto": its choice, link and predicted vs measured times
             extra["auto"] = auto.report()

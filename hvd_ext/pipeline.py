@@ -131,7 +131,8 @@ class GradientPipeline:
     def _make_route(self, b: _Bucket, comp: Compressor) -> Route:
         """The route of bucket ``b`` under codec ``comp`` (same inputs on every rank, same route)."""
         mode = self._mode if self._mode is not None else getattr(comp, "route", "auto")
-        kind = choose_route(comp, mode, sum(p.numel() for p in b.params), self.size, exchange=self.exchange)
+        kind = choose_route(comp, mode, sum(p.numel() for p in b.params), self.size, exchange=self.exchange,
+                            device=b.params[0].device)
         return make_route(kind, comp, self.exchange, f"b{b.index}", self.owner_memory)
 
     def set_bucket_compressor(self, b: _Bucket, comp: Compressor, kind: Optional[str] = None) -> None:

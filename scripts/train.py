@@ -241,6 +241,7 @@ def main(argv=None):
         "skipped_steps": s["skipped_steps"],
         "routes": list(getattr(getattr(opt, "_pipeline", None), "routes", []) or []),
         "auto": opt.stats.extra.get("auto"),
+        "node_links": opt.stats.extra.get("node_links"),
         "train_time_s": train_time,
         "history": history,
     }
@@ -257,6 +258,11 @@ def main(argv=None):
         print(f"sync                  {result['sync']}")
         if result["routes"]:
             print(f"exchange per bucket   {', '.join(result['routes'])}")
+        links = result["node_links"]
+        if links:
+            print(f"node links            intra {links['intra']['MB_per_s']} MB/s, {links['intra']['latency_us']} us; "
+                  f"inter (NIC) {links['inter']['MB_per_s']} MB/s, {links['inter']['latency_us']} us "
+                  f"({links['source']}" + (f" in {links['probe_s']} s)" if "probe_s" in links else ")"))
         auto = result["auto"]
         if auto:
             last = auto.get("last") or {}

@@ -40,11 +40,16 @@ def with_key(spec, kv):
 class _Ex:
     """Just enough of an Exchange for choose_route: a topology and node groups."""
 
-    def __init__(self, topo, ok=True):
-        self._topo, self._ok = topo, ok
+    def __init__(self, topo, ok=True, model=None):
+        self._topo, self._ok, self._model = topo, ok, model
+        self.models_asked = 0
 
     def topology(self):
         return self._topo
+
+    def node_model(self, device=None):
+        self.models_asked += 1
+        return self._model or cost.NodeModel()
 
     def node_exchanges(self):
         from hvd_ext.exchange import NodeGroupsUnavailable
@@ -83,6 +88,33 @@ def test_route_choice_on_nodes():
     assert choose_route(c("qsgd:bits=8"), "auto", 1000, 2) == "allgather"  # no exchange given: flat as before
 
 
+def test_route_choice_follows_the_measured_links():
+    """The node-aware route is taken by the exchange's node model (measured links), not by constants:
+    a slow inter-node link makes it node-aware, a node whose own link is the slow one makes it flat;
+    ``codec`` (auto's measured codec speed) enters the model; no model is asked for a flat spec."""
+    c = hvd_ext.compression_from_spec
+    n = 10 ** 6
+    slow_inter = cost.NodeModel(intra=cost.LinkModel(alpha=5e-6, bandwidth=5e9),
+                                inter=cost.LinkModel(alpha=50e-6, bandwidth=37.5e6))
+    slow_intra = cost.NodeModel(intra=cost.LinkModel(alpha=50e-6, bandwidth=50e6),
+                                inter=cost.LinkModel(alpha=50e-6, bandwidth=10e9))
+    for spec in ("qsgd:bits=8", "topk:ratio=0.01", "none"):
+        ex = _Ex(Topology(0, 2, 0, 2), model=slow_inter)
+        assert choose_route(c(spec), "auto", n, 4, exchange=ex).startswith("node:"), spec
+        assert ex.models_asked == 1
+        assert not choose_route(c(spec), "auto", n, 4, exchange=_Ex(Topology(0, 2, 0, 2), model=slow_intra)) \
+            .startswith("node:"), spec
+    # codec speed: the flat allgather decodes (1 + N) n elements per rank, the node-aware one (1 + M) n/L;
+    # with a slow enough codec that outweighs the slow intra-node link
+    assert not choose_route(c("qsgd:bits=8"), "allgather", n, 4, exchange=_Ex(Topology(0, 2, 0, 2), model=slow_intra),
+                            codec=1e9).startswith("node:")
+    assert choose_route(c("qsgd:bits=8"), "allgather", n, 4, exchange=_Ex(Topology(0, 2, 0, 2), model=slow_intra),
+                        codec=1e6) == "node:allgather"
+    flat = _Ex(Topology(0, 2, 0, 2), model=slow_inter)
+    choose_route(c("qsgd:bits=8,hierarchy=flat"), "auto", n, 4, exchange=flat)
+    assert flat.models_asked == 0
+
+
 def test_cost_model_node_aware_pays_across_a_slow_link():
     n, C = 10 ** 6, 10 ** 6  # 8-bit codes
     slow = cost.NodeModel(intra=cost.LinkModel(alpha=5e-6, bandwidth=5e9),
@@ -113,6 +145,48 @@ def test_simulated_world_node_groups():
 
     out = SimulatedWorld(6, ranks_per_node=3).run(body)
     assert out == [(r % 3, r // 3, r % 3, 3, r // 3, 2) for r in range(6)]
+
+
+@pytest.mark.parametrize("groups", ["subworld", "alltoall"])
+def test_node_link_measurement_is_the_same_on_every_rank(groups):
+    """probe.measure_node_model runs its collectives in the same order on every rank (intra and inter
+    groups, small and large) and averages the timings: every rank holds the same, positive model.
+    A simulated world's Exchange does not measure (its links are thread hand-offs): defaults."""
+    from hvd_ext.exchange import Exchange, probe
+
+    def body(rank, t):
+        ex = Exchange(transport=t)
+        m = probe.measure_node_model(ex, reps=2)["model"]
+        default = Exchange(transport=t)
+        d = default.node_model()
+        return m, d, default.node_links["source"]
+
+    out = SimulatedWorld(6, ranks_per_node=3, groups=groups).run(body)
+    models = [m for m, _, _ in out]
+    assert all(m == models[0] for m in models)
+    for link in (models[0].intra, models[0].inter):
+        assert link.alpha > 0 and link.bandwidth > 0 and math.isfinite(link.bandwidth)
+    assert all(d == cost.NodeModel() and src == "cost model defaults" for _, d, src in out)
+
+
+def test_node_links_setting(monkeypatch):
+    from hvd_ext.exchange import probe
+
+    assert probe.node_links_setting() == "measure"
+    monkeypatch.setenv("HVD_EXT_NODE_LINKS", "default")
+    assert probe.node_links_setting() == "default"
+    monkeypatch.setenv("HVD_EXT_NODE_LINKS", "fast")
+    with pytest.raises(ValueError, match="HVD_EXT_NODE_LINKS must be one of measure, default, got 'fast'"):
+        probe.node_links_setting()
+
+
+def test_link_fit_recovers_alpha_and_bandwidth():
+    from hvd_ext.exchange import probe
+
+    alpha, bw = 40e-6, 2e9
+    t = lambda wire, msgs: msgs * alpha + wire / bw  # noqa: E731
+    link = probe.fit(t(1e3, 3), t(1e6, 3), 1e3, 1e6, 3)
+    assert link.bandwidth == pytest.approx(bw, rel=1e-6) and link.alpha == pytest.approx(alpha, rel=1e-6)
 
 
 # ---- results: node-aware equals flat within the codec's error ---------------------------------------
@@ -346,6 +420,10 @@ def _testbed(mode, timeout=280):
     return res
 
 
+SPECS_2x2 = ["none", "qsgd:bits=8", "topk:ratio=0.02", "qsgd:bits=8,exchange=twophase",
+             "topk:ratio=0.02,exchange=twophase"]
+
+
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 def test_testbed_2x2_node_aware_equals_simulated():
     """horovodrun --gloo -H node1:2,node2:2, plain hvd.init(): node-aware routes (node groups over the
@@ -353,8 +431,8 @@ def test_testbed_2x2_node_aware_equals_simulated():
     the codec's error as flat, fewer bytes across nodes than inside them."""
     res = _testbed("alltoall")
     assert [(r["local_rank"], r["cross_rank"]) for r in res] == [(0, 0), (1, 0), (0, 1), (1, 1)]
-    expect = {"none": "node:allreduce", "qsgd:bits=8": "node:allgather", "topk:ratio=0.02": "node:allgather",
-              "qsgd:bits=8,exchange=twophase": "node:twophase", "topk:ratio=0.02,exchange=twophase": "node:sparse_rs"}
+    expect = dict(zip(SPECS_2x2, ["node:allreduce", "node:allgather", "node:allgather", "node:twophase",
+                                  "node:sparse_rs"]))
     for r in res:
         assert r["warnings"] == []
         for spec, route in expect.items():
@@ -365,6 +443,31 @@ def test_testbed_2x2_node_aware_equals_simulated():
             assert x["err_node"] < 1.5 * x["err_flat"] + 1e-6, (spec, x)
             assert x["wire_by_link"]["inter"] < x["wire_by_link"]["intra"], spec
         assert r["none"]["err_node"] < 1e-10
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+def test_testbed_2x2_measured_links_choose_the_route():
+    """The node links are measured once per job (two optimizers, one probe), the same on every rank:
+    the inter-node link near the shaped 300 Mbit/s (37.5 MB/s through a node's NIC), the node's own
+    loopback faster (3-15x on a quiet machine; 4 ranks share 2 cores here, so only "faster" is
+    asserted); each optimizer's route is the cost model's pick with those links, and the simulated
+    replay with the same links takes the same route and gives the same bits."""
+    res = _testbed("links")
+    links = [r[spec]["node_links"] for r in res for spec in ("qsgd:bits=8", "topk:ratio=0.01")]
+    print("measured node links:", links[0])
+    assert all({k: x[k] for k in ("intra", "inter")} == {k: links[0][k] for k in ("intra", "inter")}
+               for x in links), links
+    assert all(x["source"] == "measured" and x["probe_s"] == links[2 * (i // 2)]["probe_s"]
+               for i, x in enumerate(links)), links  # one probe per rank, reused by the second optimizer
+    assert 0.4 * 37.5 <= links[0]["inter"]["MB_per_s"] <= 1.5 * 37.5, links[0]
+    assert links[0]["intra"]["MB_per_s"] > links[0]["inter"]["MB_per_s"], links[0]
+    for r in res:
+        for spec in ("qsgd:bits=8", "topk:ratio=0.01"):
+            x, pick = r[spec], r[spec]["model_pick"]
+            want = "node:" + pick["inner"] if pick["node_aware"] else pick["flat"]
+            assert [k.replace("sparse_rs", "twophase") for k in x["routes"]] == [want] == \
+                [k.replace("sparse_rs", "twophase") for k in x["sim_routes"]], (spec, x["routes"], pick)
+            assert x["bitwise"] and x["spread"] == 0.0, spec
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")

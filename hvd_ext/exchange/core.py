@@ -157,6 +157,8 @@ class Exchange:
         self.link = link
         self.stats = stats if stats is not None else ExchangeStats()
         self._node = None  # (local, cross) sub-exchanges, or the reason they are unavailable
+        self._node_model = None  # cost.NodeModel of the node links (node_model())
+        self.node_links: Dict[str, object] = {}  # what node_model() found, for opt.stats
         self._pool: Dict[str, torch.Tensor] = {}  # reused fused buffers by collective tag (reuse=True)
         self._busy: set = set()
 
@@ -200,6 +202,44 @@ class Exchange:
             self._node = (Exchange(op="sum", transport=local, link="intra", stats=self.stats),
                           Exchange(op="sum", transport=cross, link="inter", stats=self.stats))
         return self._node
+
+    def node_model(self, device=None) -> "cost.NodeModel":
+        """The intra- and inter-node links as a :class:`~hvd_ext.exchange.cost.NodeModel`: measured
+        once (:func:`~hvd_ext.exchange.probe.measure_node_model`; collective, after
+        :meth:`node_exchanges` succeeded), else the cost model's defaults (``HVD_EXT_NODE_LINKS=default``
+        or a transport whose timings mean nothing). The same on every rank."""
+        if self._node_model is None:
+            from . import probe
+
+            if probe.node_links_setting() == "measure" and self.transport.measurable:
+                # once per process set and world: a second optimizer (a GAN's) takes the same links
+                key = id(getattr(self.transport, "process_set", None))
+                if key not in probe.MEASURED:
+                    probe.MEASURED[key] = probe.measure_node_model(self, device)
+                r = probe.MEASURED[key]
+                self._node_model = r["model"]
+                self.node_links = dict(probe.describe(self._node_model), source="measured",
+                                       probe_s=round(r["seconds"], 3))
+            else:
+                self.use_node_model(cost.NodeModel(), "cost model defaults")
+        return self._node_model
+
+    def forget_nodes(self) -> None:
+        """The world changed (elastic): node groups and node links are made again when next asked."""
+        from . import probe
+        from .transport import _NODE_GROUPS
+
+        key = id(getattr(self.transport, "process_set", None))
+        _NODE_GROUPS.pop(key, None)
+        probe.MEASURED.pop(key, None)
+        self._node, self._node_model, self.node_links = None, None, {}
+
+    def use_node_model(self, model: "cost.NodeModel", source: str = "given") -> None:
+        """Take ``model`` as the node links instead of measuring them (a replay of a measured run)."""
+        from . import probe
+
+        self._node_model = model
+        self.node_links = dict(probe.describe(model), source=source)
 
     def _count(self, kind: str, sent: int, received: int, wire: float) -> None:
         s = self.stats

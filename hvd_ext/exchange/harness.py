@@ -9,7 +9,8 @@ sets ``p.grad``, flushes and finishes exactly as the optimizer's hooks and
 ``synchronize()`` do. Returns one :class:`RankRun` per rank. ``ranks_per_node``
 lays the ranks out on nodes (node-aware routes; ``process_sets=False``: the
 node process sets cannot be made; ``groups="alltoall"``: node groups over the
-world's alltoall, as on Horovod by default). ``dense_steps``: the dense warm-up the optimizer
+world's alltoall, as on Horovod by default; ``node_model``: the node links the
+route choice assumes, e.g. those a real run measured). ``dense_steps``: the dense warm-up the optimizer
 asks for under an adaptive optimizer (``hvd_ext.variance_freeze``).
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *,
                  bucket_bytes: int = 25 * 1024 * 1024, op: str = "average", route: Optional[str] = None,
                  before_step: Optional[Callable[[int, int, Any], None]] = None, timeout: float = 120.0,
                  ranks_per_node: int = 0, process_sets: bool = True, groups: str = "subworld",
-                 dense_steps: int = 0) -> List[RankRun]:
+                 dense_steps: int = 0, node_model=None) -> List[RankRun]:
     from ..compression import compression_from_spec
     from ..pipeline import GradientPipeline
 
@@ -50,6 +51,8 @@ def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *,
     def body(rank, transport):
         comp = compression_from_spec(spec) if isinstance(spec, str) else spec(rank)
         ex = Exchange(op=op, transport=transport)
+        if node_model is not None:  # the links another run measured (a simulated world measures nothing)
+            ex.use_node_model(node_model)
         named = []
         for n in names:
             base = params[n] if params is not None else torch.zeros_like(grads[0][0][n])

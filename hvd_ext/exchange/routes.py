@@ -28,6 +28,7 @@ every rank of a homogeneous job), so every rank builds the same routes.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -243,19 +244,37 @@ def node_aware_reason(comp: Compressor, exchange: Optional[Exchange]) -> Optiona
 
 def choose_route(comp: Compressor, mode: str, numel: int, size: int,
                  link: Optional[cost.LinkModel] = None, exchange: Optional[Exchange] = None,
-                 model: Optional[cost.NodeModel] = None) -> str:
+                 model: Optional[cost.NodeModel] = None, codec: Optional[float] = None, device=None) -> str:
     """Route name for a bucket of ``numel`` elements (same inputs -> same answer on every rank).
 
     With ``exchange`` (the pipeline's), a multi-node job and ``hierarchy=auto`` (the default), the
     node-aware route ``"node:<inner>"`` is returned when the cost model (:func:`cost.choose_hierarchy`)
-    predicts it is faster; when Horovod cannot make the node process sets, one warning says what
-    to pass to ``hvd.init`` and the flat route is used."""
+    predicts it is faster, with ``model`` or else the links the exchange measured
+    (:meth:`Exchange.node_model`; ``codec``: this codec's measured elements per second). When
+    Horovod cannot make the node process sets, one warning says what to pass to ``hvd.init`` and
+    the flat route is used."""
     flat = _choose_flat(comp, mode, numel, size, link)
     hier = getattr(comp, "hierarchy", "auto")
     if hier not in HIERARCHY_CHOICES:
         raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY_CHOICES)}, got {hier!r}")
     if exchange is None or node_aware_reason(comp, exchange) is not None:
         return flat
+    from .transport import NodeGroupsUnavailable
+
+    try:
+        exchange.node_exchanges()
+    except NodeGroupsUnavailable as e:
+        key = str(e)
+        if key not in _warned:
+            _warned.add(key)
+            import warnings
+
+            warnings.warn(f"hvd_ext: node-aware compression is off, the exchange is flat: {e}", stacklevel=3)
+        return flat
+    if model is None:
+        model = exchange.node_model(device)
+    if codec is not None:
+        model = cost.NodeModel(intra=model.intra, inter=dataclasses.replace(model.inter, codec=codec))
     topo = exchange.topology()
     M, L = topo.cross_size, topo.local_size
     if comp.exchange == "allreduce":
@@ -270,18 +289,6 @@ def choose_route(comp: Compressor, mode: str, numel: int, size: int,
         numel * (2.0 if comp.name in ("fp16", "bf16") else 4.0)
     pick = cost.choose_hierarchy(cands, cands, numel, payload, M, L, model)
     if not pick["node_aware"]:
-        return flat
-    from .transport import NodeGroupsUnavailable
-
-    try:
-        exchange.node_exchanges()
-    except NodeGroupsUnavailable as e:
-        key = str(e)
-        if key not in _warned:
-            _warned.add(key)
-            import warnings
-
-            warnings.warn(f"hvd_ext: node-aware compression is off, the exchange is flat: {e}", stacklevel=3)
         return flat
     inner = pick["inner"]
     if inner == "twophase":

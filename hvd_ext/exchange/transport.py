@@ -67,7 +67,10 @@ class NodeGroupsUnavailable(RuntimeError):
 
 
 class Transport:
-    """Interface. ``op`` values are ``"sum"`` and ``"average"`` (plus ``"adasum"`` on Horovod)."""
+    """Interface. ``op`` values are ``"sum"`` and ``"average"`` (plus ``"adasum"`` on Horovod).
+    ``measurable``: timing its collectives says something about the links (not in a simulated world)."""
+
+    measurable = False
 
     def rank(self) -> int:
         raise NotImplementedError
@@ -117,6 +120,8 @@ class Transport:
 
 class HorovodTransport(Transport):
     """Horovod's collectives on ``process_set`` (default: the global set)."""
+
+    measurable = True
 
     def __init__(self, process_set=None):
         import horovod.torch as hvd
