@@ -200,7 +200,7 @@ class GradientPipeline:
                 flags.append(u)
             records.append(TensorRecord(name, p, info, u))
         nonfinite = any_nonfinite(flags)
-        flat = flat_record(comp, b.route, records, f"\x00bucket{b.index}")  # one payload per bucket?
+        flat = flat_record(comp, b.route.name, records, f"\x00bucket{b.index}")  # one payload per bucket?
         b.parts = records if flat is not None else None
         if flat is not None:
             records = [flat]

@@ -205,6 +205,20 @@ def test_calibration_replaces_a_codec_slower_than_predicted(monkeypatch):
         assert r.pipeline.state_dict()["auto"]["calib"] == runs[0].pipeline.state_dict()["auto"]["calib"]
 
 
+def test_a_more_accurate_codec_inside_the_slack_replaces_the_current_one(monkeypatch):
+    """What the 1 Gbit/s run showed: top-k is predicted fastest and chosen; once it has run, its
+    measured cost puts fp16 (more accurate, listed first) inside the 10% slack -- auto moves to fp16
+    (before, the switching margin, meant for moves to a faster codec, kept top-k) and stays there."""
+    model = {"none": 12e-3, "fp16": 6e-3, "topk": 3e-3}
+    real = {"none": 12e-3, "fp16": 6e-3, "topk": 6e-3}
+    _fake_costs(monkeypatch, model, real)
+    runs = run_pipeline("auto:warmup=2,check=2,slack=0.1,candidates=none,fp16,topk:ratio=0.01", _grads(12, 2), 2)
+    for r in runs:
+        d = r.pipeline.auto.decisions
+        assert [x["choice"] for x in d][:2] == [["topk:ratio=0.01"], ["fp16"]], d
+        assert all(x["choice"] == ["fp16"] for x in d[1:]), d
+
+
 def test_a_new_choice_is_calibrated_after_check_exchanges(monkeypatch):
     """A codec 1.5x slower than predicted stays inside the drift band [0.5x, 2x], yet once it has run
     `check` exchanges auto re-decides with its measured cost and moves to the truly faster qsgd; with
@@ -223,3 +237,29 @@ def test_a_new_choice_is_calibrated_after_check_exchanges(monkeypatch):
         assert [x["reason"] for x in d][:3] == ["warmup", "calibrate", "calibrate"], d
         assert d[0]["choice"] == ["topk:ratio=0.01"] and d[-1]["choice"] == ["qsgd:bits=8"]
         assert len(d) == 3  # everything chosen is calibrated: no more re-decisions in 12 steps
+
+
+def test_codec_trial_codes_a_bucket_as_the_pipeline_does():
+    """auto times each candidate the way the pipeline runs it: top-k (scope=model) as one flat payload
+    per bucket (one selection over the bucket's 5050 elements: ceil(0.01 x 5050) = 51 entries), not
+    one payload per tensor (20 + 1 + 30 = 51 entries here, but three selections, three headers)."""
+    from hvd_ext.compression.base import TensorInfo
+
+    runs = run_pipeline("auto:warmup=2,candidates=none,topk:ratio=0.01", _grads(1, 2), 2)
+    tuner = runs[0].pipeline.auto
+    b = runs[0].pipeline.buckets[0]
+    grads = [torch.randn_like(p) for p in b.params]
+    topk = tuner.auto.candidates[1]
+    got = tuner._time_codec(topk, b, grads)
+    u = torch.cat([g.reshape(-1) for g in grads])
+    info = TensorInfo(name="flat", shape=u.shape, step=0, rank=0, size=2, param=None, scale=0.5,
+                      segments=[(n, g.numel(), p) for n, g, p in zip(b.names, grads, b.params)])
+    payload, _ = topk.compress(u, info)
+    topk.discard()
+    per_tensor = 0
+    for n, g, p in zip(b.names, grads, b.params):
+        pl, _ = topk.compress(g, TensorInfo(name=n, shape=g.shape, step=0, rank=0, size=2, param=p, scale=0.5))
+        per_tensor += pl.numel() * pl.element_size()
+    topk.discard()
+    assert got["bytes"] == payload.numel() * payload.element_size() != per_tensor
+    assert got["enc"] > 0 and got["dec"] > 0

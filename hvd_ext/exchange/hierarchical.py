@@ -113,7 +113,7 @@ class NodeAwareRoute(Route):
         self._nf1 = nf
         self.inner_records = inner
         # the shard as one flat payload (as the pipeline does for a bucket); memories stay per segment
-        flat = flat_record(self.comp, self.inner, inner, f"\x00node.{self.tag}")
+        flat = flat_record(self.comp, self.inner.name, inner, f"\x00node.{self.tag}")
         self._flat = flat is not None
         send = [flat] if self._flat else inner
         prepare = getattr(self.comp, "prepare_bucket", None)

@@ -63,12 +63,12 @@ class TensorRecord:
     ctx: Any = None
 
 
-def flat_record(comp: Compressor, route: "Route", records: List[TensorRecord], name: str) -> Optional[TensorRecord]:
+def flat_record(comp: Compressor, route: str, records: List[TensorRecord], name: str) -> Optional[TensorRecord]:
     """One record standing for ``records`` when ``comp`` is ``bucket_flat`` (topk scope=model, sig) and
-    ``route`` sends whole tensors (allgather, sparse_rs): one payload per bucket (or node shard)
+    the route (its name) sends whole tensors (allgather, sparse_rs): one payload per bucket (or node shard)
     instead of one per tensor. Its ``TensorInfo.segments`` name the tensors; the feedback keeps
     working per tensor on :func:`split_flat` of the results. None when the records go as they are."""
-    if len(records) < 2 or not getattr(comp, "bucket_flat", False) or route.name not in ("allgather", "sparse_rs"):
+    if len(records) < 2 or not getattr(comp, "bucket_flat", False) or route not in ("allgather", "sparse_rs"):
         return None
     u = torch.cat([r.u.reshape(-1).float() for r in records])
     i0 = records[0].info
