@@ -34,6 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--fixed", nargs="+", default=FIXED, help="fixed candidates auto is compared with")
     p.add_argument("--out", default=str(HERE / "results" / "auto_rates"))
     p.add_argument("--summarize", action="store_true", help="only rebuild OUT.md/OUT.json from the runs' JSON")
+    p.add_argument("--no-horovod", action="store_true", help="leave plain Horovod out (accuracy studies)")
     return p.parse_args(argv)
 
 
@@ -119,7 +120,8 @@ def markdown(a, s: dict, command: str, when: str) -> str:
         best_tt = f"{r['best_tt_method']} {r['best_tt']:.1f} s" if r["best_tt_method"] else "none reached"
         holds = "holds" if r["auto_vs_best_ms"] <= 1.10 else "**miss**"
         acc = f"{r['acc_vs_none']:+.2f}" + ("" if r["acc_vs_none"] >= -0.5 else " (**miss**)")
-        lines.append(f"| {_fmt_rate(r['rate'])} | {r['horovod_ms']:.1f} | {r['none_ms']:.1f} · {r['none_acc']:.2f}%"
+        hvd_ms = f"{r['horovod_ms']:.1f}" if r["horovod_ms"] else "—"
+        lines.append(f"| {_fmt_rate(r['rate'])} | {hvd_ms} | {r['none_ms']:.1f} · {r['none_acc']:.2f}%"
                      f"{rng(r['none_acc_range'])} | {r['auto_ms']:.1f} · {r['auto_acc']:.2f}%{rng(r['auto_acc_range'])} "
                      f"| {'; '.join(r['auto_choice'])} | {r['best_ms_method']} {r['best_ms']:.1f} | {best_tt} "
                      f"| {r['auto_vs_best_ms']:.2f}× · {tt} | {holds} | {acc} |")
@@ -135,7 +137,7 @@ def markdown(a, s: dict, command: str, when: str) -> str:
 
 def main(argv=None):
     a = parse_args(argv)
-    methods = ["horovod", "auto"] + a.fixed
+    methods = ([] if a.no_horovod else ["horovod"]) + ["auto"] + a.fixed
     t0 = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if not a.summarize:
         for rate in a.rates:
@@ -150,7 +152,8 @@ def main(argv=None):
     command = "python benchmarks/auto_rates.py " + " ".join(
         (["--rates", *a.rates] if a.rates != parse_args([]).rates else []) +
         (["--seeds", *map(str, a.seeds)] if a.seeds != [0] else []) +
-        (["--epochs", str(a.epochs)] if a.epochs != 8 else []))
+        (["--epochs", str(a.epochs)] if a.epochs != 8 else []) + (["--fixed", *a.fixed] if a.fixed != FIXED else []) +
+        (["--no-horovod"] if a.no_horovod else []) + (["--out", a.out] if a.out != parse_args([]).out else []))
     when = f"One 2-core VM, {t0} - {t1}" if not a.summarize else "Rebuilt from the runs' JSON"
     md = markdown(a, s, command.strip(), when)
     Path(a.out + ".md").write_text(md)
