@@ -451,7 +451,7 @@ class AutoTuner:
             choice.append(best)
             routes.append(kinds[best])
             predicted += times[best]
-        configs = self._contenders(all_times) if self.auto.trial > 0 else []
+        configs = self._contenders(all_times, choice) if self.auto.trial > 0 else []
         # Rank 0's decision for everyone (identical inputs already; this makes it certain).
         agreed, routes, configs = pipe.exchange.broadcast_object([choice, routes, configs], 0,
                                                                  f"hvd_ext.auto.choice.{pipe.step}")
@@ -492,7 +492,7 @@ class AutoTuner:
         return changed
 
     # ---- measuring the contenders the model cannot separate ------------------------------
-    def _contenders(self, all_times) -> List[Dict[str, Any]]:
+    def _contenders(self, all_times, choice: List[int]) -> List[Dict[str, Any]]:
         """Configurations worth measuring: for each candidate c predicted within ``_CONTEND`` x the
         fastest on some bucket, c on those buckets and the model's choice elsewhere; most accurate
         first. The model's errors on this machine reach 2x (calibration ratios of 1.5-2.5 measured
@@ -506,7 +506,7 @@ class AutoTuner:
                 cfg.append(c if times[c] <= _CONTEND * times[best] else None)
             if all(x is None for x in cfg):
                 continue
-            fill = [x if x is not None else best for x, (best, _, _, _) in zip(cfg, all_times)]
+            fill = [x if x is not None else model for x, model in zip(cfg, choice)]
             key = tuple(fill)
             if key in seen:
                 continue

@@ -288,3 +288,11 @@ def test_contenders_the_model_cannot_separate_are_measured(monkeypatch):
     assert runs[0].pipeline.auto.report()["choice"] == ["fp16"]
     runs = run_pipeline("auto:warmup=2,check=50,trial=0,candidates=none,fp16,topk:ratio=0.01", _grads(6, 2), 2)
     assert runs[0].pipeline.auto.report()["choice"] == ["topk:ratio=0.01"]
+    # several buckets: one configuration per contender over all of them, the same on every rank
+    real["topk"] = 9e-3
+    runs = run_pipeline("auto:warmup=2,check=2,trial=4,candidates=none,fp16,topk:ratio=0.01", _grads(20, 2), 2,
+                        bucket_bytes=4000)
+    assert len(runs[0].pipeline.buckets) > 1
+    for r in runs:
+        assert r.pipeline.auto.report()["choice"] == ["fp16"] * len(r.pipeline.buckets)
+        assert r.pipeline.auto.decisions[-1]["reason"] == "trial"
