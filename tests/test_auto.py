@@ -296,3 +296,28 @@ def test_contenders_the_model_cannot_separate_are_measured(monkeypatch):
     for r in runs:
         assert r.pipeline.auto.report()["choice"] == ["fp16"] * len(r.pipeline.buckets)
         assert r.pipeline.auto.decisions[-1]["reason"] == "trial"
+
+
+def test_drift_needs_two_checks_in_a_row():
+    """The measured exchange leaving [0.5x, 2x] of the prediction once (a burst of load) is noted and
+    forgotten; twice in a row it re-decides (agreed by an allreduce: every rank alike)."""
+    from hvd_ext.exchange import SimulatedWorld
+
+    def body(rank, transport):
+        from hvd_ext.exchange import Exchange
+        from hvd_ext.pipeline import GradientPipeline
+        comp = hvd_ext.compression_from_spec("auto:warmup=2,trial=0,candidates=none,fp16")
+        named = [(n, torch.nn.Parameter(torch.zeros(*s))) for n, s in NAMES.items()]
+        pipe = GradientPipeline(named, comp, comp.feedback, Exchange(transport=transport), 1 << 20, None)
+        t = pipe.auto
+        t.decisions.append({})
+        t.predicted_s = 10e-3
+        seen = []
+        t.evaluate = lambda reason: seen.append(reason)
+        for m in (30, 10, 30, 30, 3, 10):  # one out, back in, two out, ...
+            t._measured = [m * 1e-3] * 3
+            t._check_drift()
+        return seen
+
+    out = SimulatedWorld(2).run(body)
+    assert out[0] == out[1] and len(out[0]) == 1 and out[0][0].startswith("measured 30.00 ms"), out
