@@ -572,7 +572,9 @@ def node_summary(doc):
         vs_flat = fmt(r["ms_per_step"] / twin["result"]["ms_per_step"], ".2f", "x") if twin else "-"
         vs_hvd = fmt(r["ms_per_step"] / ref["result"]["ms_per_step"], ".2f", "x") if ref else "-"
         nic = e.get("node1_nic_bytes")
-        routes = ", ".join(e.get("routes") or (["Horovod allreduce"] if e["method"].startswith("horovod") else ["?"]))
+        # the routes the job took (its measured node links chose them); else the plan's prediction
+        routes = ", ".join(r.get("routes") or e.get("routes") or
+                           (["Horovod allreduce"] if e["method"].startswith("horovod") else ["?"]))
         lines.append(f"| `{e['method']}` | {routes} | {r['ms_per_step']:.2f} | {vs_flat} | {vs_hvd} | "
                      f"{fmt_bytes(nic['per_step']) if nic else '-'} |")
     hier = ok.get("horovod:hier")

@@ -548,6 +548,7 @@ class AutoTuner:
         self.decisions.append({"step": pipe.step, "reason": "trial",
                                "choice": [self.auto.candidate_specs[ci] for ci in self.choice],
                                "predicted_ms": round(self.predicted_s * 1e3, 3),
+                               "link": self.decisions[-1].get("link") if self.decisions else None,
                                "measured_period_ms": {c["label"]: round(p * 1e3, 3)
                                                       for c, p in zip(t["configs"], t["periods"])},
                                "calibration": {self.auto.candidate_specs[ci]: round(r, 3)

@@ -267,10 +267,12 @@ def main(argv=None):
         if auto:
             last = auto.get("last") or {}
             print(f"auto: codec per bucket {', '.join(auto['choice'])} ({auto['decisions']} decision(s); "
-                  f"link {last.get('link', {}).get('MB_per_s', '?')} MB/s, "
-                  f"{last.get('link', {}).get('latency_ms', '?')} ms per collective)")
+                  f"link {(last.get('link') or {}).get('MB_per_s', '?')} MB/s, "
+                  f"{(last.get('link') or {}).get('latency_ms', '?')} ms per collective)")
             print(f"auto: exchange ms/step predicted {last.get('predicted_ms', '?')}, "
                   f"measured {last.get('measured_ms', last.get('measured_before_ms', '?'))}")
+            if last.get("measured_period_ms"):
+                print("auto: trial step periods (ms) " + ", ".join(f"{k} {v}" for k, v in last["measured_period_ms"].items()))
         print(f"exchanges per rank    {exchanges_per_rank} (mean {result['exchanges']:.1f} over {total_steps} steps)")
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
