@@ -1,4 +1,4 @@
-"""compression="auto" against the fixed candidates at several link rates (issue 13's auto targets).
+"""compression="auto" against the fixed candidates at several link rates (README, "compression=\"auto\"").
 
     python benchmarks/auto_rates.py                       # 4 rates x 7 methods x 8 epochs, ~15 min
     python benchmarks/auto_rates.py --rates 300mbit --seeds 0 1 2

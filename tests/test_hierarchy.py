@@ -178,6 +178,11 @@ def test_node_links_setting(monkeypatch):
     monkeypatch.setenv("HVD_EXT_NODE_LINKS", "fast")
     with pytest.raises(ValueError, match="HVD_EXT_NODE_LINKS must be one of measure, default, got 'fast'"):
         probe.node_links_setting()
+    # raised by the route choice before the node groups (whose layout allgather is a collective) are made
+    ex = _Ex(Topology(0, 2, 0, 2))
+    ex.node_exchanges = lambda: pytest.fail("node groups made before the setting was checked")
+    with pytest.raises(ValueError, match="HVD_EXT_NODE_LINKS"):
+        choose_route(hvd_ext.compression_from_spec("qsgd:bits=8"), "auto", 10 ** 6, 4, exchange=ex)
 
 
 def test_link_fit_recovers_alpha_and_bandwidth():

@@ -259,8 +259,10 @@ def choose_route(comp: Compressor, mode: str, numel: int, size: int,
         raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY_CHOICES)}, got {hier!r}")
     if exchange is None or node_aware_reason(comp, exchange) is not None:
         return flat
+    from .probe import node_links_setting
     from .transport import NodeGroupsUnavailable
 
+    node_links_setting()  # a bad HVD_EXT_NODE_LINKS fails here, before the node groups' first collective
     try:
         exchange.node_exchanges()
     except NodeGroupsUnavailable as e:
