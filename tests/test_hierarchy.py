@@ -453,10 +453,11 @@ def test_testbed_2x2_node_aware_equals_simulated():
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 def test_testbed_2x2_measured_links_choose_the_route():
     """The node links are measured once per job (two optimizers, one probe), the same on every rank:
-    the inter-node link near the shaped 300 Mbit/s (37.5 MB/s through a node's NIC), the node's own
-    loopback faster (3-15x on a quiet machine; 4 ranks share 2 cores here, so only "faster" is
-    asserted); each optimizer's route is the cost model's pick with those links, and the simulated
-    replay with the same links takes the same route and gives the same bits."""
+    the inter-node link near the shaped 300 Mbit/s (37.5 MB/s through a node's NIC); each optimizer's
+    route is the cost model's pick with those links, and the simulated replay with the same links
+    takes the same route and gives the same bits. The intra-node link is only checked to be a
+    positive, finite fit: with 4 ranks on 2 cores it is CPU-bound and measured 32-133 MB/s, once
+    below the inter-node link (a fresh-clone CI run: 32 against 46 MB/s)."""
     res = _testbed("links")
     links = [r[spec]["node_links"] for r in res for spec in ("qsgd:bits=8", "topk:ratio=0.01")]
     print("measured node links:", links[0])
@@ -465,7 +466,7 @@ def test_testbed_2x2_measured_links_choose_the_route():
     assert all(x["source"] == "measured" and x["probe_s"] == links[2 * (i // 2)]["probe_s"]
                for i, x in enumerate(links)), links  # one probe per rank, reused by the second optimizer
     assert 0.4 * 37.5 <= links[0]["inter"]["MB_per_s"] <= 1.5 * 37.5, links[0]
-    assert links[0]["intra"]["MB_per_s"] > links[0]["inter"]["MB_per_s"], links[0]
+    assert 0 < links[0]["intra"]["MB_per_s"] < float("inf") and links[0]["intra"]["latency_us"] > 0, links[0]
     for r in res:
         for spec in ("qsgd:bits=8", "topk:ratio=0.01"):
             x, pick = r[spec], r[spec]["model_pick"]
