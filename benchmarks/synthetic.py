@@ -18,7 +18,8 @@ in total (x ranks), and bytes sent per step per rank.
 Methods:
   horovod, horovod-fp16   horovod.torch.DistributedOptimizer (Compression.none / fp16): real plain Horovod
   SPEC                    hvd_ext.DistributedOptimizer with compression_from_spec(SPEC) (`none` = hvd_ext's
-                          own uncompressed path)
+                          own uncompressed path); SPEC@overlap / SPEC@inline: with overlap=True / False
+                          (buckets compressed on a worker thread / in the backward hooks; default "auto")
   ddp, ddp-powersgd[:rank=R]  PyTorch DDP (gloo) via torchrun, default / PowerSGD hook (start_powerSGD_iter=2)
 
 Writes benchmarks/results/synthetic[_quick].json and .md (samples/s table per
@@ -101,8 +102,9 @@ def _worker(cfg):
             else:
                 import hvd_ext
 
+                spec, overlap = split_overlap(method)
                 opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                                   compression=hvd_ext.compression_from_spec(method))
+                                                   compression=hvd_ext.compression_from_spec(spec), overlap=overlap)
                 stats = opt.stats
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
             net = model
@@ -223,6 +225,14 @@ def parse_args(argv=None):
     return a
 
 
+def split_overlap(method: str):
+    """'SPEC@overlap' -> (SPEC, True); 'SPEC@inline' -> (SPEC, False); 'SPEC' -> (SPEC, "auto")."""
+    spec, _, mode = method.partition("@")
+    if mode not in ("", "overlap", "inline"):
+        raise ValueError(f"method {method!r}: the suffix after @ must be 'overlap' or 'inline'")
+    return spec, {"": "auto", "overlap": True, "inline": False}[mode]
+
+
 def split_methods(methods):
     """-> (hvd methods, ddp methods, skipped [(method, reason)])."""
     hvd_m, ddp_m, skipped = [], [], []
@@ -235,7 +245,7 @@ def split_methods(methods):
             try:
                 import hvd_ext
 
-                hvd_ext.compression_from_spec(m)
+                hvd_ext.compression_from_spec(split_overlap(m)[0])
                 hvd_m.append(m)
             except (ValueError, ImportError) as e:
                 skipped.append((m, str(e)))

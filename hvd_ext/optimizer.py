@@ -43,6 +43,7 @@ import torch
 from .compression import compression_from_spec, make_feedback
 from .compression.base import Compressor
 from .exchange import Exchange
+from .overlap import check_overlap, resolve_overlap
 from .pipeline import GradientPipeline
 from .sparse_grad import SparseExchange
 from .stats import CommStats
@@ -227,7 +228,7 @@ class _DistributedMixin:
 
     def _hvd_ext_setup(self, named_parameters, compressor: Compressor, backward_passes_per_step: int,
                        op, gradient_predivide_factor: float, process_set, bucket_bytes: int,
-                       log_path: Optional[str], sparse_as_dense: bool = False):
+                       log_path: Optional[str], sparse_as_dense: bool = False, overlap="auto"):
         import horovod.torch as hvd
 
         self._hvd = hvd
@@ -245,12 +246,15 @@ class _DistributedMixin:
         trainable = [(n, p) for n, p in named_parameters if p.requires_grad]
         self._parameter_names = {p: n for n, p in named_parameters}
         included = process_set.included()
+        self._overlap_setting = overlap
+        self.overlap = included and resolve_overlap(overlap, trainable[0][1].device if trainable else None,
+                                                    hvd.local_size())
         # Adam & co. under a lossy codec: dense warm-up, then the second moment frozen (variance_freeze).
         self._freeze = VarianceFreeze.for_optimizer(self, compressor, self._parameter_names) if included else None
         self._dense_steps = self._freeze.warmup if self._freeze is not None else 0
         if included:
             self._pipeline = GradientPipeline(trainable, compressor, compressor.feedback, self._exchange,
-                                              bucket_bytes, dense_steps=self._dense_steps)
+                                              bucket_bytes, dense_steps=self._dense_steps, overlap=self.overlap)
         else:
             self._pipeline = _LocalOnly()
         self._state_agreed = not included
@@ -341,8 +345,13 @@ class _DistributedMixin:
         # Node-aware routes cache the per-node process sets of a world (Horovod dropped them on reinit)
         # and the links measured between them.
         self._exchange.forget_nodes()
+        old.close()
+        self.overlap = resolve_overlap(self._overlap_setting,
+                                       self._trainable[0][1].device if self._trainable else None,
+                                       self._hvd.local_size())
         self._pipeline = GradientPipeline(self._trainable, self._compression, self._compression.feedback,
-                                          self._exchange, self._bucket_bytes, dense_steps=self._dense_steps)
+                                          self._exchange, self._bucket_bytes, dense_steps=self._dense_steps,
+                                          overlap=self.overlap)
         self._pipeline.load_state_dict(state)
         self._pipeline.compress_s = compress_s
         self._config_pending = True
@@ -422,9 +431,10 @@ class _DistributedMixin:
             if dense_written and p.grad is not None and not p.grad.is_sparse:
                 p.grad = p.grad.to_sparse(d)
         state, compress_s = self._pipeline.state_dict(), self._pipeline.compress_s
+        self._pipeline.close()
         self._pipeline = GradientPipeline([(n, p) for n, p in self._trainable if id(p) not in self._sparse_ids],
                                           self._compression, self._compression.feedback, self._exchange,
-                                          self._bucket_bytes)
+                                          self._bucket_bytes, dense_steps=self._dense_steps, overlap=self.overlap)
         self._pipeline.load_state_dict(state)
         self._pipeline.compress_s = compress_s
 
@@ -473,6 +483,7 @@ class _DistributedMixin:
                           skipped=skipped, exchanged=exchanged)
         extra = self.stats.extra
         extra["routes"] = self._pipeline.routes if hasattr(self._pipeline, "routes") else []
+        extra["overlap"] = bool(self.overlap)
         extra["wire_by_link"] = dict(getattr(ex, "wire_by_link", {}) or {})
         if getattr(self._exchange, "node_links", None):  # multi-node: the links the routes were chosen for
             extra["node_links"] = self._exchange.node_links
@@ -596,7 +607,7 @@ def _check_named_parameters(optimizer, named_parameters):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
                          op=None, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=None, *, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                         log_path=None):
+                         log_path=None, overlap="auto"):
     """Wrap ``optimizer`` so gradients are exchanged (compressed) across Horovod ranks.
 
     Arguments are Horovod's (``hvd.DistributedOptimizer``) plus:
@@ -604,6 +615,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         ``hvd.Compression.none/fp16`` (default: none).
       bucket_bytes: dense bytes of gradients fused into one collective (default 25 MiB).
       log_path: append one JSON line of stats per step to this file.
+      overlap: ``True`` compresses each bucket on a worker thread while backward goes on
+        (``hvd_ext.overlap``); ``"auto"`` (default) does so for a CPU model with at least two
+        cores per local rank; ``False`` compresses inside the backward hooks.
 
     ``num_groups``/``groups`` are accepted for compatibility; hvd_ext fuses by
     ``bucket_bytes`` instead. Sparse gradients (``nn.Embedding(sparse=True)``) are exchanged as
@@ -632,6 +646,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
+    check_overlap(overlap)
     if num_groups and groups is not None:
         raise ValueError("num_groups and groups are mutually exclusive")
     if num_groups or groups is not None:
@@ -656,5 +671,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                           and k not in ("step", "zero_grad")})
     compressor.bind_optimizer(dist)  # e.g. dgc takes over SGD momentum; may raise, before any hook exists
     dist._hvd_ext_setup(named, compressor, backward_passes_per_step, op, gradient_predivide_factor,
-                        process_set, bucket_bytes, log_path, bool(sparse_as_dense))
+                        process_set, bucket_bytes, log_path, bool(sparse_as_dense), overlap)
     return dist

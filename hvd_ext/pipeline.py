@@ -13,7 +13,9 @@ two-phase, sparse reduce-scatter, chosen from the compressor, the
 ``exchange=`` mode, N and the cost model). Every rank therefore builds the
 same buckets and names the same collectives. A bucket's first collective
 starts as soon as its last gradient is ready -- during backward -- and the
-rest start at ``flush()``.
+rest start at ``flush()``. With ``overlap`` (:mod:`hvd_ext.overlap`) the hook
+hands the bucket to a worker thread that compresses and starts it while
+backward goes on; ``finish`` waits for the worker first.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from .exchange import Exchange
 from .auto import AutoCompression, AutoTuner
 from .exchange.routes import OwnerMemory, Route, TensorRecord, choose_route, flat_record, make_route, split_flat
 from .feedback.base import Feedback, NoFeedback
+from .overlap import CodeWorker
 
 
 @dataclass
@@ -80,7 +83,7 @@ def plan_buckets(named_params: List[Tuple[str, torch.Tensor]], bucket_bytes: int
 class GradientPipeline:
     def __init__(self, named_params: List[Tuple[str, torch.Tensor]], compressor: Compressor,
                  feedback: Optional[Feedback], exchange: Exchange, bucket_bytes: int, route: Optional[str] = None,
-                 dense_steps: int = 0):
+                 dense_steps: int = 0, overlap: bool = False):
         self.compressor = compressor
         self.feedback = feedback if feedback is not None else NoFeedback()
         self.exchange = exchange
@@ -113,6 +116,8 @@ class GradientPipeline:
                 self.bucket_of[id(p)] = b
         self.auto: Optional[AutoTuner] = AutoTuner(compressor, self) if is_auto else None
         self._step_code_s = 0.0
+        self.overlap = bool(overlap)
+        self._worker: Optional[CodeWorker] = CodeWorker() if self.overlap else None
 
     def set_step(self, step: int) -> None:
         """Take the step counter of another rank (the resume recipe, a joining elastic worker): the
@@ -179,6 +184,14 @@ class GradientPipeline:
 
     # ---- launch and finish -------------------------------------------------------------------
     def _launch(self, b: _Bucket) -> None:
+        """Compress bucket ``b`` and start its first collective: here, or on the worker thread."""
+        b.started = True
+        if self._worker is not None:
+            self._worker.submit(lambda: self._start(b))
+        else:
+            self._start(b)
+
+    def _start(self, b: _Bucket) -> None:
         t0 = time.perf_counter()
         comp, fb = b.comp, self.feedback
         scale = self.exchange.scale()
@@ -209,7 +222,6 @@ class GradientPipeline:
         if prepare is not None:
             prepare([(r.u, r.info) for r in records])
         b.route.start(records, nonfinite)
-        b.started = True
         dt = time.perf_counter() - t0
         self.compress_s += dt
         self._step_code_s += dt
@@ -221,6 +233,12 @@ class GradientPipeline:
         every rank); the feedback and owner memories are then left as they were."""
         t_start = time.perf_counter()
         self.flush()
+        if self._worker is not None:
+            try:
+                self._worker.drain()  # every bucket compressed and started
+            except BaseException:  # a codec's error, raised here as it would have been in backward
+                self.reset()
+                raise
         for b in self.buckets:  # second phases start before any bucket is waited for
             b.route.progress()
         nonfinite = False
@@ -286,12 +304,23 @@ class GradientPipeline:
 
     def reset(self) -> None:
         """Forget a step in progress (``load_state_dict``)."""
+        if self._worker is not None:
+            try:
+                self._worker.drain()
+            except Exception:  # the step is dropped anyway
+                pass
         for b in self.buckets:
             b.started = False
             b.ready.clear()
             b.route.records = []
             b.parts = None
         self._step_code_s = 0.0
+
+    def close(self) -> None:
+        """Stop the worker thread (the optimizer replaced this pipeline)."""
+        if self._worker is not None:
+            self.reset()
+            self._worker.close()
 
     # ---- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

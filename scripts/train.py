@@ -39,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--log", default=None, help="per-step JSON-lines stats log (suffix .rankN added)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                   help="compress buckets on a worker thread while backward goes on (auto: with 2+ cores per rank)")
     p.add_argument("--plain-horovod", action="store_true",
                    help="baseline: horovod.torch.DistributedOptimizer itself (--compression none or fp16 only)")
     p.add_argument("--sync", default="every",
@@ -125,7 +127,8 @@ def main(argv=None):
     else:
         opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                            compression=compressor, bucket_bytes=args.bucket_bytes,
-                                           log_path=log_path)
+                                           log_path=log_path,
+                                           overlap={"on": True, "off": False}.get(args.overlap, args.overlap))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     opt.stats.reset()
@@ -240,6 +243,7 @@ def main(argv=None):
         "slow_factor": args.slow_factor,
         "skipped_steps": s["skipped_steps"],
         "routes": list(getattr(getattr(opt, "_pipeline", None), "routes", []) or []),
+        "overlap": opt.stats.extra.get("overlap"),
         "auto": opt.stats.extra.get("auto"),
         "node_links": opt.stats.extra.get("node_links"),
         "train_time_s": train_time,
@@ -257,7 +261,9 @@ def main(argv=None):
         print(f"train time            {train_time:.1f} s")
         print(f"sync                  {result['sync']}")
         if result["routes"]:
-            print(f"exchange per bucket   {', '.join(result['routes'])}")
+            print(f"exchange per bucket   {', '.join(result['routes'])}"
+                  + ("" if result["overlap"] is None else
+                     f" (compressed {'on a worker thread' if result['overlap'] else 'in the backward hooks'})"))
         links = result["node_links"]
         if links:
             print(f"node links            intra {links['intra']['MB_per_s']} MB/s, {links['intra']['latency_us']} us; "

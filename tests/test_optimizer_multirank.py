@@ -72,6 +72,19 @@ def test_backward_passes_per_step(checks):
         assert r["exchanges"] == 1
 
 
+@pytest.mark.parametrize("name", ["overlap_thread_topk", "overlap_thread_qsgd"])
+def test_worker_thread_overlap_trains_to_the_same_bits(checks, name):
+    for r in both(checks, name):
+        assert "overlap must be 'auto', True or False" in r["bad_setting"]
+        assert r["overlap_True"]["resolved"] is True and r["overlap_True"]["stats"] is True
+        assert r["overlap_False"]["resolved"] is False and r["overlap_False"]["stats"] is False
+        for on in ("True", "False"):  # every bucket handed over (started) by the hooks, in backward
+            assert r[f"overlap_{on}"]["buckets"] >= 3
+            assert r[f"overlap_{on}"]["started_in_backward"] == r[f"overlap_{on}"]["buckets"]
+        assert r["identical"], "overlap=True changed the numbers"
+        assert r["moved"] > 1e-4 and r["spread"] == 0.0
+
+
 def test_buckets_start_during_backward(checks):
     for r in both(checks, "overlap"):
         assert r["buckets"] >= 3

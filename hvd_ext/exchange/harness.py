@@ -11,7 +11,9 @@ lays the ranks out on nodes (node-aware routes; ``process_sets=False``: the
 node process sets cannot be made; ``groups="alltoall"``: node groups over the
 world's alltoall, as on Horovod by default; ``node_model``: the node links the
 route choice assumes, e.g. those a real run measured). ``dense_steps``: the dense warm-up the optimizer
-asks for under an adaptive optimizer (``hvd_ext.variance_freeze``).
+asks for under an adaptive optimizer (``hvd_ext.variance_freeze``). ``overlap``: the pipeline's
+worker thread compresses the buckets (:mod:`hvd_ext.overlap`); the gradients are then handed in
+as backward's hooks do, one parameter at a time in reverse order.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *,
                  bucket_bytes: int = 25 * 1024 * 1024, op: str = "average", route: Optional[str] = None,
                  before_step: Optional[Callable[[int, int, Any], None]] = None, timeout: float = 120.0,
                  ranks_per_node: int = 0, process_sets: bool = True, groups: str = "subworld",
-                 dense_steps: int = 0, node_model=None) -> List[RankRun]:
+                 dense_steps: int = 0, node_model=None, overlap: bool = False) -> List[RankRun]:
     from ..compression import compression_from_spec
     from ..pipeline import GradientPipeline
 
@@ -57,7 +59,8 @@ def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *,
         for n in names:
             base = params[n] if params is not None else torch.zeros_like(grads[0][0][n])
             named.append((n, torch.nn.Parameter(base.detach().clone())))
-        pipe = GradientPipeline(named, comp, comp.feedback, ex, bucket_bytes, route, dense_steps=dense_steps)
+        pipe = GradientPipeline(named, comp, comp.feedback, ex, bucket_bytes, route, dense_steps=dense_steps,
+                                overlap=overlap)
         run = RankRun(rank, routes=pipe.routes, pipeline=pipe, exchange=ex)
         for step, per_rank in enumerate(grads):
             if before_step is not None:
@@ -65,11 +68,15 @@ def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *,
             for n, p in named:
                 p.grad = per_rank[rank][n].detach().clone()
             r0, w0 = ex.stats.bytes_received, ex.stats.wire_bytes
+            if overlap:
+                for _, p in reversed(named):
+                    pipe.mark_ready(p)
             pipe.flush()
             run.skipped.append(pipe.finish())
             run.results.append({n: p.grad.detach().clone() for n, p in named})
             run.received.append(ex.stats.bytes_received - r0)
             run.wire.append(ex.stats.wire_bytes - w0)
+        pipe.close()
         return run
 
     return world.run(body)

@@ -220,8 +220,40 @@ def check_overlap():
             "collectives": opt.exchange.stats.collectives - collectives0}
 
 
+def check_overlap_thread(spec):
+    """overlap=True (buckets compressed on the worker thread) trains to the same bits as
+    overlap=False, every bucket handed over during backward; a bad setting raises first."""
+    out = {}
+    try:
+        hvd_ext.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), overlap="yes")
+    except ValueError as e:
+        out["bad_setting"] = str(e)
+    finals = {}
+    for on in (False, True):
+        model, xs, ys = model_and_data()
+        start = flat_params(model)
+        opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                           named_parameters=model.named_parameters(), compression=spec,
+                                           bucket_bytes=256, overlap=on)
+        started = 0
+        for i in range(6):
+            opt.zero_grad()
+            F.cross_entropy(model(xs[i]), ys[i]).backward()
+            started = sum(bool(b.started) for b in opt._pipeline.buckets)
+            opt.step()
+        finals[on] = flat_params(model)
+        out[f"overlap_{on}"] = {"resolved": opt.overlap, "stats": opt.stats.extra.get("overlap"),
+                                "started_in_backward": started, "buckets": len(opt._pipeline.buckets)}
+    out["identical"] = bool(torch.equal(finals[False], finals[True]))
+    out["moved"] = float((finals[True] - start).abs().max())
+    out["spread"] = max_param_spread(model)
+    return out
+
+
 CHECKS = {
     "overlap": check_overlap,
+    "overlap_thread_topk": lambda: check_overlap_thread("topk:ratio=0.2"),
+    "overlap_thread_qsgd": lambda: check_overlap_thread("qsgd:bits=4"),
     "average_none": lambda: check_average("none"),
     "average_fp16": lambda: check_average(hvd.Compression.fp16),
     "average_bf16": lambda: check_average("bf16"),
