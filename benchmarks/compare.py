@@ -575,6 +575,10 @@ def node_summary(doc):
         # the routes the job took (its measured node links chose them); else the plan's prediction
         routes = ", ".join(r.get("routes") or e.get("routes") or
                            (["Horovod allreduce"] if e["method"].startswith("horovod") else ["?"]))
+        trial = r.get("route_trial")
+        if trial and trial.get("choice"):  # hierarchy=auto measured flat against node-aware
+            routes += " (trial: " + ", ".join(f"{k} {v} ms" for k, v in trial["measured_period_ms"].items()) + \
+                f"; model {trial['model']}, kept {trial['choice']})"
         lines.append(f"| `{e['method']}` | {routes} | {r['ms_per_step']:.2f} | {vs_flat} | {vs_hvd} | "
                      f"{fmt_bytes(nic['per_step']) if nic else '-'} |")
     hier = ok.get("horovod:hier")

@@ -487,6 +487,9 @@ class _DistributedMixin:
         extra["wire_by_link"] = dict(getattr(ex, "wire_by_link", {}) or {})
         if getattr(self._exchange, "node_links", None):  # multi-node: the links the routes were chosen for
             extra["node_links"] = self._exchange.node_links
+        trial = getattr(self._pipeline, "route_trial", None)
+        if trial is not None:  # hierarchy=auto: flat against node-aware, measured
+            extra["route_trial"] = trial.report()
         auto = getattr(self._pipeline, "auto", None)
         if auto is not None:  # compression="auto": its choice, link and predicted vs measured times
             extra["auto"] = auto.report()

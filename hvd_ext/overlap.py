@@ -19,8 +19,9 @@ which matches collectives by name.
 ``overlap="auto"`` (the optimizer's default) turns it on where it can pay: a
 CPU model and at least two cores per local rank (``os.sched_getaffinity``
 divided by Horovod's local size); on one core per rank the worker only adds
-thread switches. On a GPU the worker issues its kernels on the same stream as
-backward (so ordering is unchanged) and takes the host-side work -- Python,
+thread switches. On a GPU the worker issues its kernels on the stream current
+where the bucket was completed (the one backward produced the gradients on,
+so ordering is unchanged) and takes the host-side work -- Python,
 kernel launches, the per-bucket device-to-host flag copy -- off backward's
 path; ``overlap=True`` asks for it, ``auto`` leaves it off there until it is
 measured on a GPU.

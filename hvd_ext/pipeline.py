@@ -20,6 +20,7 @@ backward goes on; ``finish`` waits for the worker first.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -33,6 +34,7 @@ from .auto import AutoCompression, AutoTuner
 from .exchange.routes import OwnerMemory, Route, TensorRecord, choose_route, flat_record, make_route, split_flat
 from .feedback.base import Feedback, NoFeedback
 from .overlap import CodeWorker
+from .route_trial import RouteTrial
 
 
 @dataclass
@@ -115,9 +117,13 @@ class GradientPipeline:
             for p in b.params:
                 self.bucket_of[id(p)] = b
         self.auto: Optional[AutoTuner] = AutoTuner(compressor, self) if is_auto else None
+        # hierarchy=auto on a multi-node job: flat against node-aware, measured (hvd_ext.route_trial)
+        self.route_trial: Optional[RouteTrial] = RouteTrial.plan(self)
         self._step_code_s = 0.0
         self.overlap = bool(overlap)
         self._worker: Optional[CodeWorker] = CodeWorker() if self.overlap else None
+        if self._worker is not None:  # the thread ends with the pipeline (close() ends it sooner)
+            weakref.finalize(self, self._worker.close)
 
     def set_step(self, step: int) -> None:
         """Take the step counter of another rank (the resume recipe, a joining elastic worker): the
@@ -132,6 +138,9 @@ class GradientPipeline:
         for b in self.buckets:
             if b.comp is not want:
                 self.set_bucket_compressor(b, want)
+        trial = getattr(self, "route_trial", None)
+        if trial is not None and trial.done and want is self.compressor:  # the measured routes again
+            trial._apply(trial.choice)
 
     def _make_route(self, b: _Bucket, comp: Compressor) -> Route:
         """The route of bucket ``b`` under codec ``comp`` (same inputs on every rank, same route)."""
@@ -186,10 +195,19 @@ class GradientPipeline:
     def _launch(self, b: _Bucket) -> None:
         """Compress bucket ``b`` and start its first collective: here, or on the worker thread."""
         b.started = True
-        if self._worker is not None:
-            self._worker.submit(lambda: self._start(b))
-        else:
+        if self._worker is None:
             self._start(b)
+            return
+        dev = b.params[0].device
+        if dev.type == "cuda":  # the worker issues its kernels on the stream that produced the gradients
+            stream = torch.cuda.current_stream(dev)
+
+            def job():
+                with torch.cuda.stream(stream):
+                    self._start(b)
+            self._worker.submit(job)
+        else:
+            self._worker.submit(lambda: self._start(b))
 
     def _start(self, b: _Bucket) -> None:
         t0 = time.perf_counter()
@@ -299,6 +317,8 @@ class GradientPipeline:
         if self.auto is not None:
             self.auto.exchange_time(time.perf_counter() - t_start + self._step_code_s)
             self.auto.after_step()
+        if self.route_trial is not None:
+            self.route_trial.after_step()
         self._step_code_s = 0.0
         return nonfinite
 
@@ -327,7 +347,8 @@ class GradientPipeline:
         return {"step": self.step, "feedback": self.feedback.state_dict(),
                 "compressor": self.compressor.state_dict(), "owner": self.owner_memory.state_dict(),
                 "routes": self.routes, "spec": self.compressor.spec(),
-                "auto": self.auto.state_dict() if self.auto is not None else None}
+                "auto": self.auto.state_dict() if self.auto is not None else None,
+                "route_trial": self.route_trial.state_dict() if self.route_trial is not None else None}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.set_step(int(state.get("step", 0)))
@@ -335,6 +356,8 @@ class GradientPipeline:
         self.compressor.load_state_dict(state.get("compressor", {}))
         if self.auto is not None:
             self.auto.load_state_dict(state.get("auto") or {})
+        if self.route_trial is not None:
+            self.route_trial.load_state_dict(state.get("route_trial") or {})
         # Owner memories belong to this world's layout; a checkpoint from another layout drops them.
         if list(state.get("routes", self.routes)) == self.routes:
             self.owner_memory.load_state_dict(state.get("owner", {}))

@@ -246,6 +246,7 @@ def main(argv=None):
         "overlap": opt.stats.extra.get("overlap"),
         "auto": opt.stats.extra.get("auto"),
         "node_links": opt.stats.extra.get("node_links"),
+        "route_trial": opt.stats.extra.get("route_trial"),
         "train_time_s": train_time,
         "history": history,
     }
@@ -269,6 +270,11 @@ def main(argv=None):
             print(f"node links            intra {links['intra']['MB_per_s']} MB/s, {links['intra']['latency_us']} us; "
                   f"inter (NIC) {links['inter']['MB_per_s']} MB/s, {links['inter']['latency_us']} us "
                   f"({links['source']}" + (f" in {links['probe_s']} s)" if "probe_s" in links else ")"))
+        trial = result["route_trial"]
+        if trial:
+            periods = ", ".join(f"{k} {v}" for k, v in trial["measured_period_ms"].items())
+            print(f"hierarchy trial       model picked {trial['model']}; measured step periods (ms) "
+                  f"{periods or 'pending'}; kept {trial['choice'] or '(not decided yet)'}")
         auto = result["auto"]
         if auto:
             last = auto.get("last") or {}

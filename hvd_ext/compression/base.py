@@ -39,6 +39,11 @@ HIERARCHY_CHOICES = ("auto", "flat")
 HIERARCHY_OPTION = Option(str, "auto", choices=HIERARCHY_CHOICES,
                           help="auto: node-aware exchange (dense inside a node, compressed across nodes) on "
                                "multi-node jobs when the cost model says it pays; flat: never")
+# Spec key ``hierarchy_trial=``: with hierarchy=auto, exchanges each of the flat and the node-aware
+# exchange runs when the cost model cannot separate them (hvd_ext.route_trial); 0 trusts the model.
+HIERARCHY_TRIAL_OPTION = Option(int, 20, "int >= 0", lambda v: v >= 0,
+                                help="with hierarchy=auto on a multi-node job: exchanges each of flat and node-aware "
+                                     "runs when the cost model predicts them within 3x (0: trust the model)")
 # Spec keys ``variance=`` / ``variance_warmup=``: adaptive optimizers (Adam...) under a lossy codec get a
 # dense warm-up and then a frozen second moment (hvd_ext.variance_freeze, 1-bit Adam).
 VARIANCE_OPTIONS = {
@@ -251,6 +256,8 @@ def register(name: str):
         cls.name = name
         if "hierarchy" not in cls.options:  # every compressor accepts hierarchy=auto|flat
             cls.options = {**cls.options, "hierarchy": HIERARCHY_OPTION}
+        if "hierarchy_trial" not in cls.options:
+            cls.options = {**cls.options, "hierarchy_trial": HIERARCHY_TRIAL_OPTION}
         extra = dict(VARIANCE_OPTIONS, variance_warmup=variance_warmup_option(cls.default_variance_warmup))
         cls.options = {**cls.options, **{k: o for k, o in extra.items() if k not in cls.options}}
         _REGISTRY[name] = cls

@@ -253,12 +253,24 @@ def choose_route(comp: Compressor, mode: str, numel: int, size: int,
     (:meth:`Exchange.node_model`; ``codec``: this codec's measured elements per second). When
     Horovod cannot make the node process sets, one warning says what to pass to ``hvd.init`` and
     the flat route is used."""
+    opts = route_options(comp, mode, numel, size, link, exchange, model, codec, device)
+    return opts["node"] if opts["node"] is not None and opts["node_s"] < opts["flat_s"] else opts["flat"]
+
+
+def route_options(comp: Compressor, mode: str, numel: int, size: int,
+                  link: Optional[cost.LinkModel] = None, exchange: Optional[Exchange] = None,
+                  model: Optional[cost.NodeModel] = None, codec: Optional[float] = None,
+                  device=None) -> Dict[str, Any]:
+    """The flat route and, where the node-aware exchange can run, the node-aware one, with the
+    seconds the cost model predicts for each: ``{"flat", "flat_s", "node", "node_s"}`` (``node`` is
+    None, and the times are None, when only the flat route is possible). Same on every rank."""
     flat = _choose_flat(comp, mode, numel, size, link)
+    only_flat = {"flat": flat, "flat_s": None, "node": None, "node_s": None}
     hier = getattr(comp, "hierarchy", "auto")
     if hier not in HIERARCHY_CHOICES:
         raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY_CHOICES)}, got {hier!r}")
     if exchange is None or node_aware_reason(comp, exchange) is not None:
-        return flat
+        return only_flat
     from .probe import node_links_setting
     from .transport import NodeGroupsUnavailable
 
@@ -271,8 +283,8 @@ def choose_route(comp: Compressor, mode: str, numel: int, size: int,
             _warned.add(key)
             import warnings
 
-            warnings.warn(f"hvd_ext: node-aware compression is off, the exchange is flat: {e}", stacklevel=3)
-        return flat
+            warnings.warn(f"hvd_ext: node-aware compression is off, the exchange is flat: {e}", stacklevel=4)
+        return only_flat
     if model is None:
         model = exchange.node_model(device)
     if codec is not None:
@@ -290,12 +302,12 @@ def choose_route(comp: Compressor, mode: str, numel: int, size: int,
     payload = estimated_payload_bytes(comp, numel) if comp.exchange != "allreduce" else \
         numel * (2.0 if comp.name in ("fp16", "bf16") else 4.0)
     pick = cost.choose_hierarchy(cands, cands, numel, payload, M, L, model)
-    if not pick["node_aware"]:
-        return flat
     inner = pick["inner"]
     if inner == "twophase":
         inner = "sparse_rs" if comp.sparse else "twophase"
-    return "node:" + inner
+    node_s = float(pick["node_s"]) if pick["node_aware"] or (M > 1 and L > 1) else None
+    return {"flat": flat, "flat_s": float(pick["flat_s"]), "node": "node:" + inner if node_s is not None else None,
+            "node_s": node_s}
 
 
 def _choose_flat(comp: Compressor, mode: str, numel: int, size: int, link: Optional[cost.LinkModel]) -> str:
