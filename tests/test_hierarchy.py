@@ -474,6 +474,18 @@ def test_testbed_2x2_measured_links_choose_the_route():
             assert [k.replace("sparse_rs", "twophase") for k in x["routes"]] == [want] == \
                 [k.replace("sparse_rs", "twophase") for k in x["sim_routes"]], (spec, x["routes"], pick)
             assert x["bitwise"] and x["spread"] == 0.0, spec
+    # hierarchy=auto measured (hvd_ext.route_trial), where the measured links leave the model unsure:
+    # the trial decides on real Horovod ranks, every rank the same numbers, choice and routes
+    trials = [r["trial"] for r in res]
+    print("hierarchy trial:", trials[0]["report"])
+    if trials[0]["planned"]:
+        rep = trials[0]["report"]
+        assert rep["choice"] in ("flat", "node") and set(rep["measured_period_ms"]) == {"flat", "node"}, rep
+        for t in trials:
+            assert t["report"] == rep and t["stats"] == rep
+            assert all(k.startswith("node:") == (rep["choice"] == "node") for k in t["routes"]), t
+    else:  # the model was sure (predictions more than 3x apart): no trial on any rank
+        assert not any(t["planned"] for t in trials)
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")

@@ -104,5 +104,18 @@ with warnings.catch_warnings(record=True) as caught:
             pick = cost.choose_hierarchy(("allgather", "twophase"), ("allgather", "twophase"), n,
                                          estimated_payload_bytes(comp, n), hvd.cross_size(), L, measured)
             out[spec]["model_pick"] = pick
+    if MODE == "links":  # hierarchy=auto measured: the trial runs to its decision, the same on every rank
+        m = model()
+        opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                           compression="topk:ratio=0.01,hierarchy_trial=2")
+        hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+        trial = opt._pipeline.route_trial
+        g = torch.Generator().manual_seed(RANK)
+        for _ in range(12):
+            opt.zero_grad()
+            m(torch.randn(8, 20, generator=g)).pow(2).mean().backward()
+            opt.step()
+        out["trial"] = {"planned": trial is not None, "report": trial.report() if trial else None,
+                        "routes": opt._pipeline.routes, "stats": opt.stats.extra.get("route_trial")}
 out["warnings"] = [str(w.message) for w in caught if "node-aware" in str(w.message)]
 emit(**out)
