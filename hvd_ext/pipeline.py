@@ -140,7 +140,7 @@ class GradientPipeline:
                 self.set_bucket_compressor(b, want)
         trial = getattr(self, "route_trial", None)
         if trial is not None and trial.done and want is self.compressor:  # the measured routes again
-            trial._apply(trial.choice)
+            trial.apply(trial.choice)
 
     def _make_route(self, b: _Bucket, comp: Compressor) -> Route:
         """The route of bucket ``b`` under codec ``comp`` (same inputs on every rank, same route)."""

@@ -82,7 +82,8 @@ class RouteTrial:
     def done(self) -> bool:
         return self.choice is not None
 
-    def _apply(self, config: str) -> None:
+    def apply(self, config: str) -> None:
+        """Every bucket to its route in ``config`` ("flat" or "node"), between steps."""
         for b, kind in zip(self.pipe.buckets, self.plans[config]):
             if b.route.name != kind:
                 self.pipe.set_bucket_compressor(b, b.comp, kind)
@@ -95,7 +96,7 @@ class RouteTrial:
         now = time.perf_counter()
         if self._i is None:  # past the warm-up: the model's pick first
             self._i = 0
-            self._apply(self.order[0])
+            self.apply(self.order[0])
             self._periods, self._last = [], now
             return
         self._periods.append(now - self._last)
@@ -108,11 +109,11 @@ class RouteTrial:
         self._periods = []
         self._i += 1
         if self._i < len(self.order):
-            self._apply(self.order[self._i])
+            self.apply(self.order[self._i])
             return
         first, other = self.order
         self.choice = other if self.measured[other] < (1 - _MARGIN) * self.measured[first] else first
-        self._apply(self.choice)
+        self.apply(self.choice)
 
     def report(self) -> Dict[str, Any]:
         return {"model": self.model_pick, "choice": self.choice,
@@ -131,7 +132,7 @@ class RouteTrial:
             self.choice = choice
             self.measured = dict(state.get("measured") or {})
             if self.pipe.step >= self.pipe.dense_steps:  # else applied when the warm-up ends
-                self._apply(choice)
+                self.apply(choice)
         else:
             self.choice, self.measured = None, {}
 

@@ -305,9 +305,7 @@ def route_options(comp: Compressor, mode: str, numel: int, size: int,
     inner = pick["inner"]
     if inner == "twophase":
         inner = "sparse_rs" if comp.sparse else "twophase"
-    node_s = float(pick["node_s"]) if pick["node_aware"] or (M > 1 and L > 1) else None
-    return {"flat": flat, "flat_s": float(pick["flat_s"]), "node": "node:" + inner if node_s is not None else None,
-            "node_s": node_s}
+    return {"flat": flat, "flat_s": float(pick["flat_s"]), "node": "node:" + inner, "node_s": float(pick["node_s"])}
 
 
 def _choose_flat(comp: Compressor, mode: str, numel: int, size: int, link: Optional[cost.LinkModel]) -> str:
