@@ -138,9 +138,8 @@ class GradientPipeline:
         for b in self.buckets:
             if b.comp is not want:
                 self.set_bucket_compressor(b, want)
-        trial = getattr(self, "route_trial", None)
-        if trial is not None and trial.done and want is self.compressor:  # the measured routes again
-            trial.apply(trial.choice)
+        if self.route_trial is not None and self.route_trial.done and want is self.compressor:
+            self.route_trial.apply(self.route_trial.choice)  # the measured routes again
 
     def _make_route(self, b: _Bucket, comp: Compressor) -> Route:
         """The route of bucket ``b`` under codec ``comp`` (same inputs on every rank, same route)."""

@@ -30,8 +30,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-_CONTEND = 3.0   # the two configurations are measured when predicted within this factor of each other
-_SETTLE = 2      # periods right after a switch left out of the median
+# The model's error factor and the settle periods are auto's (the same model, the same machine):
+# the two configurations are measured when predicted within _CONTEND of each other, and the first
+# _SETTLE periods after a switch are left out of the median.
+from .auto import _CONTEND, _SETTLE
+
 _MARGIN = 0.05   # the configuration the model did not pick must be this much faster to be kept
 
 
