@@ -6,10 +6,13 @@ systems", MLSys 2022). ``auto`` therefore measures both on the machine it runs
 on and decides per bucket:
 
 * **link** -- from its own exchanges: a small and a 1 MB allreduce (five and
-  three tries, the fastest kept) give the fixed cost of one collective ``lat``
-  and the bandwidth ``bw`` (wire bytes per second, :mod:`hvd_ext.exchange.cost`);
+  three tries, the fastest kept; one 1 MB try when it takes 10x the small one,
+  as on a slow link, where the transfer dominates and a try costs a step) give
+  the fixed cost of one collective ``lat`` and the bandwidth ``bw`` (wire bytes
+  per second, :mod:`hvd_ext.exchange.cost`);
 * **codecs** -- every candidate compresses and decodes each bucket's current
-  gradient once, timed on this hardware;
+  gradient, timed on this hardware (the fastest of three tries; a calibrate
+  re-decision reuses them);
 * **prediction** for bucket b and candidate c on its route r (allreduce,
   allgather, two-phase, sparse reduce-scatter: the route the candidate would
   get, :func:`hvd_ext.exchange.routes.choose_route`)::
@@ -26,9 +29,11 @@ on and decides per bucket:
 * **trial** -- the model errs by 2-3x on a busy machine (it put top-k ahead
   of fp16 at 1 Gbit/s where fp16's steps were 25% shorter), so candidates
   predicted within 3x of the fastest are not chosen from the prediction: each
-  such contender runs ``trial`` (20) exchanges, most accurate first, and the
-  most accurate whose median step period (the ranks' mean) is within ``slack``
-  of the shortest is kept. ``trial=0`` trusts the model.
+  such contender runs ``trial`` (20) exchanges, the predicted fastest first,
+  and the most accurate whose median step period (the ranks' mean) is within
+  ``slack`` of the shortest is kept. A contender whose period after a quarter
+  of its window is over 1.3x that bound stops there. ``trial=0`` trusts the
+  model.
 
 The measurements are averaged over the ranks in one small allreduce and rank
 0's decision is broadcast, so every rank uses the same codec for every bucket.
@@ -75,8 +80,10 @@ from .options import Option, resolve_options
 DEFAULT_CANDIDATES = ("none", "fp16", "qsgd:bits=8", "topk:ratio=0.03")
 _PROBE_SMALL = 256                 # floats
 _PROBE_LARGE = 256 * 1024          # floats (1 MB)
+_PROBE_ENOUGH = 10.0  # one large probe suffices once it takes this x the small one (bandwidth-bound)
 _COLLECTIVES = {"allreduce": 1, "allgather": 1, "twophase": 2, "sparse_rs": 2}
 _CONTEND = 3.0   # a candidate predicted within this factor of the fastest is tried before the choice
+_CUT = 1.3      # a trial contender this x (1 + slack) slower than the shortest so far stops early
 _SETTLE = 2      # periods right after a switch (new buffers, first calls) left out of a trial's median
 
 AUTO_OPTIONS = {
@@ -225,6 +232,7 @@ class AutoTuner:
         self._released: Dict[str, torch.Tensor] = {}
         self.calib: Dict[int, float] = {}  # candidate -> measured / predicted exchange time, when it ran
         self._probe: Optional[Dict[str, float]] = None  # this rank's last link probe
+        self._codec_rows: Optional[tuple] = None  # (bucket sizes, this rank's last codec timings)
         self._trial: Optional[Dict[str, Any]] = None  # contenders being measured (see _contenders)
         self._strikes = 0  # drift checks in a row outside [0.5x, 2x] of the prediction
 
@@ -253,8 +261,11 @@ class AutoTuner:
         if step < max(a.warmup, getattr(self.pipe, "dense_steps", 0)):  # dense warm-up (variance_freeze)
             return
         if self._trial is not None:
-            if step - self._trial["start"] >= a.trial:
+            ran = step - self._trial["start"]
+            if ran >= a.trial:
                 self._trial_window_done()
+            elif ran == _SETTLE + max(3, a.trial // 4) and self._trial["periods"]:
+                self._trial_window_done(early=True)
             return
         if self.last_eval is None or step - self.last_eval >= a.every:
             self.evaluate("scheduled" if self.last_eval is not None else "warmup")
@@ -310,10 +321,16 @@ class AutoTuner:
 
         small, large = torch.zeros(_PROBE_SMALL), torch.zeros(_PROBE_LARGE)
         self._allreduce(small, "hvd_ext.auto.sync")  # start together
-        times = {label: best_time(lambda: self._allreduce(t, f"hvd_ext.auto.probe.{label}"), reps)
-                 for label, t, reps in (("small", small, 5), ("large", large, 3))}
+        t_small = best_time(lambda: self._allreduce(small, "hvd_ext.auto.probe.small"), 5)
+        t_large = best_time(lambda: self._allreduce(large, "hvd_ext.auto.probe.large"), 1)
+        # More large tries only where one is cheap and noisy: the ranks' mean times (one small
+        # allreduce, so every rank runs the same collectives) say whether the transfer dominates.
+        # On a slow link a try is all bandwidth, and each costs a step or more (3 x 53 ms at 300 Mbit/s).
+        agreed = self._allreduce(torch.tensor([t_small, t_large]), "hvd_ext.auto.probe.agree")
+        if float(agreed[1]) < _PROBE_ENOUGH * float(agreed[0]):
+            t_large = min(t_large, best_time(lambda: self._allreduce(large, "hvd_ext.auto.probe.large"), 2))
         wire = cost.allreduce_wire(4.0 * (_PROBE_LARGE - _PROBE_SMALL), N)
-        return {"lat": times["small"], "large": times["large"], "wire": wire}
+        return {"lat": t_small, "large": t_large, "wire": wire}
 
     def _bucket_grads(self, b) -> List[torch.Tensor]:
         out = []
@@ -381,18 +398,24 @@ class AutoTuner:
         from .exchange.routes import choose_route
 
         pipe, cands = self.pipe, self.auto.candidates
-        # A "calibrate" re-decision only learns the chosen codec's real cost: the link measured at the
-        # decision before it still holds (every rank takes the same branch: same reason, same step).
-        # The probe's large allreduces cost ~0.2 s at 300 Mbit/s, a fifth of a ms per step over 1000 steps.
+        # A "calibrate" re-decision only learns the chosen codec's real cost: the link and the codec
+        # timings measured at the decision before it still hold (every rank takes the same branch:
+        # same reason, same step). The probe's large allreduce costs ~60 ms at 300 Mbit/s; the
+        # timings, 3 tries of every candidate on every bucket, ~30 ms on the main job's 122k floats.
+        layout = [sum(p.numel() for p in b.params) for b in pipe.buckets]
         if reason != "calibrate" or self._probe is None:
             self._probe = self._probe_link()
         probe = self._probe
-        rows = []
-        for b in pipe.buckets:
-            grads = self._bucket_grads(b)
-            for c in cands:
-                r = self._time_codec(c, b, grads)
-                rows += [r["enc"], r["dec"], r["bytes"]]
+        if reason == "calibrate" and self._codec_rows is not None and self._codec_rows[0] == layout:
+            rows = self._codec_rows[1]
+        else:
+            rows = []
+            for b in pipe.buckets:
+                grads = self._bucket_grads(b)
+                for c in cands:
+                    r = self._time_codec(c, b, grads)
+                    rows += [r["enc"], r["dec"], r["bytes"]]
+            self._codec_rows = (layout, rows)
         periods, meas = self._periods[-50:], self._measured[-50:]
         # Medians: a pause between two steps (evaluation, a checkpoint, other work in the loop) must not
         # read as compute -- with the mean, one such period made every exchange look cheap next to the
@@ -457,10 +480,13 @@ class AutoTuner:
         agreed, routes, configs = pipe.exchange.broadcast_object([choice, routes, configs], 0,
                                                                  f"hvd_ext.auto.choice.{pipe.step}")
         if len(configs) > 1:  # the model cannot separate them: measure each (see _contenders)
-            agreed, routes = configs[0]["choice"], configs[0]["routes"]
-            predicted = configs[0]["predicted"]
+            # the predicted fastest first, so that the others can be cut early against it
+            order = sorted(range(len(configs)), key=lambda i: configs[i]["predicted"])
+            first = configs[order[0]]
+            agreed, routes, predicted = first["choice"], first["routes"], first["predicted"]
             reason += f"; trying {len(configs)} contenders"
-            self._trial = {"configs": configs, "i": 0, "start": pipe.step, "periods": [], "exchange": []}
+            self._trial = {"configs": configs, "order": order, "i": 0, "start": pipe.step,
+                           "periods": {}, "exchange": {}, "cut": []}
         changed = self._apply(agreed, routes)
         # A re-decision that changes nothing (measurement noise, ranks out of step): check less often.
         self._check_every = self.auto.check if changed or reason.split(";")[0] in ("warmup", "scheduled") \
@@ -516,28 +542,40 @@ class AutoTuner:
                         "predicted": sum(times[ci] for ci, (_, times, _, _) in zip(fill, all_times))})
         return out if len(out) > 1 else []
 
-    def _trial_window_done(self) -> None:
+    def _trial_window_done(self, early: bool = False) -> None:
         """One contender has run ``trial`` exchanges: its median step period and exchange time (the
         ranks' mean, one allreduce) are kept, its candidates calibrated; then the next contender, or
-        the choice: the most accurate whose period is within ``slack`` of the shortest."""
+        the choice: the most accurate whose period is within ``slack`` of the shortest.
+
+        ``early``: a contender after a quarter of its window (at least 3 exchanges past the settle
+        periods). Where its median period so far is over ``_CUT`` x (1 + slack) x the shortest
+        measured before it, it cannot be chosen: it stops there (successive halving's rule, Jamieson
+        and Talwalkar 2016: stop measuring what is clearly worse). On the main job at 300 Mbit/s qsgd
+        ran 1.7x top-k's period; its 20 trial steps cost 0.2 s of a 13 s job."""
         t, pipe = self._trial, self.pipe
         periods = self._periods[_SETTLE:] or self._periods
         meas = self._measured[_SETTLE:] or self._measured
         mine = torch.tensor([_median(periods) if periods else 0.0, _median(meas) if meas else 0.0])
         got = self._allreduce(mine, f"hvd_ext.auto.trial.{pipe.step}")
-        cfg = t["configs"][t["i"]]
-        t["periods"].append(float(got[0]))
-        t["exchange"].append(float(got[1]))
+        shortest = min(t["periods"].values()) if t["periods"] else None
+        if early and float(got[0]) <= _CUT * (1 + self.auto.slack) * shortest:
+            return  # a contender still: it runs its whole window
+        ci = t["order"][t["i"]]
+        cfg = t["configs"][ci]
+        t["periods"][ci] = float(got[0])
+        t["exchange"][ci] = float(got[1])
+        if early:
+            t["cut"].append(cfg["label"])
         self._calibrate(float(got[1]), [cfg["predicted"]])
         self._measured, self._periods = [], []
         t["i"] += 1
         if t["i"] < len(t["configs"]):
-            nxt = t["configs"][t["i"]]
+            nxt = t["configs"][t["order"][t["i"]]]
             self._apply(nxt["choice"], nxt["routes"])
             t["start"] = pipe.step
             return
-        shortest = min(t["periods"])
-        pick = next(i for i, p in enumerate(t["periods"]) if p <= (1 + self.auto.slack) * shortest)
+        shortest = min(t["periods"].values())
+        pick = next(i for i in range(len(t["configs"])) if t["periods"][i] <= (1 + self.auto.slack) * shortest)
         cfg = t["configs"][pick]
         self._trial = None
         self._apply(cfg["choice"], cfg["routes"])
@@ -548,8 +586,9 @@ class AutoTuner:
                                "choice": [self.auto.candidate_specs[ci] for ci in self.choice],
                                "predicted_ms": round(self.predicted_s * 1e3, 3),
                                "link": self.decisions[-1].get("link") if self.decisions else None,
-                               "measured_period_ms": {c["label"]: round(p * 1e3, 3)
-                                                      for c, p in zip(t["configs"], t["periods"])},
+                               "measured_period_ms": {t["configs"][i]["label"]: round(t["periods"][i] * 1e3, 3)
+                                                      for i in t["order"]},
+                               "cut_early": list(t["cut"]),
                                "calibration": self._calibration_report()})
         del self.decisions[:-20]
 
@@ -603,7 +642,7 @@ class AutoTuner:
         return {"choice": [self.auto.candidate_specs[ci] for ci in self.choice],
                 "decisions": len(self.decisions), "last": last,
                 "history": [{k: d[k] for k in ("step", "reason", "choice", "predicted_ms", "predicted_ms_per_candidate",
-                                               "measured_period_ms", "calibration") if k in d}
+                                               "measured_period_ms", "cut_early", "calibration") if k in d}
                             for d in self.decisions]}
 
     def state_dict(self) -> Dict[str, Any]:

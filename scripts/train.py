@@ -284,7 +284,9 @@ def main(argv=None):
             print(f"auto: exchange ms/step predicted {last.get('predicted_ms', '?')}, "
                   f"measured {last.get('measured_ms', last.get('measured_before_ms', '?'))}")
             if last.get("measured_period_ms"):
-                print("auto: trial step periods (ms) " + ", ".join(f"{k} {v}" for k, v in last["measured_period_ms"].items()))
+                cut = last.get("cut_early") or []
+                print("auto: trial step periods (ms) " + ", ".join(
+                    f"{k} {v}" + (" (cut early)" if k in cut else "") for k, v in last["measured_period_ms"].items()))
         print(f"exchanges per rank    {exchanges_per_rank} (mean {result['exchanges']:.1f} over {total_steps} steps)")
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

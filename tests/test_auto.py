@@ -267,8 +267,8 @@ def test_codec_trial_codes_a_bucket_as_the_pipeline_does():
 
 def test_contenders_the_model_cannot_separate_are_measured(monkeypatch):
     """The model predicts top-k fastest and fp16 within 2x of it; their real exchanges are the other
-    way round. auto runs each contender `trial` exchanges (most accurate first), compares the median
-    step periods (the ranks' mean) and keeps fp16 -- on every rank, with no re-decision after."""
+    way round. auto runs each contender `trial` exchanges (the predicted fastest first), compares the
+    median step periods (the ranks' mean) and keeps fp16 -- on every rank, with no re-decision after."""
     model = {"none": 20e-3, "fp16": 5e-3, "topk": 3e-3}
     real = {"none": 20e-3, "fp16": 5e-3, "topk": 9e-3}
     _fake_costs(monkeypatch, model, real)
@@ -276,9 +276,10 @@ def test_contenders_the_model_cannot_separate_are_measured(monkeypatch):
     for r in runs:
         tuner = r.pipeline.auto
         d = tuner.decisions
-        assert d[0]["reason"] == "warmup; trying 2 contenders" and d[0]["choice"] == ["fp16"], d
+        assert d[0]["reason"] == "warmup; trying 2 contenders" and d[0]["choice"] == ["topk:ratio=0.01"], d
         assert d[1]["reason"] == "trial" and d[1]["choice"] == ["fp16"], d
         assert d[1]["measured_period_ms"] == {"fp16": pytest.approx(10.0), "topk:ratio=0.01": pytest.approx(14.0)}
+        assert list(d[1]["measured_period_ms"]) == ["topk:ratio=0.01", "fp16"] and d[1]["cut_early"] == []
         assert len(d) == 2 and tuner.report()["choice"] == ["fp16"]
         assert [x["choice"] for x in runs[0].pipeline.auto.decisions] == [x["choice"] for x in d]
     # where the contenders' periods are within the slack, the more accurate one is kept; trial=0 trusts
@@ -296,6 +297,76 @@ def test_contenders_the_model_cannot_separate_are_measured(monkeypatch):
     for r in runs:
         assert r.pipeline.auto.report()["choice"] == ["fp16"] * len(r.pipeline.buckets)
         assert r.pipeline.auto.decisions[-1]["reason"] == "trial"
+
+
+@pytest.mark.parametrize("rank1_large,tries", [(40e-3, 1), (3e-3, 3)])
+def test_the_link_probe_tries_the_large_allreduce_again_only_where_it_is_cheap(monkeypatch, rank1_large, tries):
+    """One 1 MB allreduce is enough where it takes 10x the small one (a slow link: the transfer
+    dominates, and each try costs a step); otherwise the fastest of three. The ranks' mean times
+    decide, so both ranks run the same collectives although only rank 1's large try is slow."""
+    import threading
+
+    import hvd_ext.exchange.probe as probe_mod
+    from hvd_ext.auto import _PROBE_LARGE
+
+    rank_of, large_next = {}, {}   # thread -> rank; rank -> whether its next timed call is the large probe
+    calls = {0: 0, 1: 0}           # large allreduces timed, per rank
+    allreduce = AutoTuner._allreduce
+
+    def tagged(self, values, name):
+        rank_of[threading.get_ident()] = self.pipe.rank
+        large_next[self.pipe.rank] = values.numel() == _PROBE_LARGE
+        return allreduce(self, values, name)
+
+    def best_time(run, reps):
+        for _ in range(reps):
+            run()
+        me = rank_of[threading.get_ident()]
+        if not large_next[me]:
+            return 1e-3
+        calls[me] += reps
+        return rank1_large if me == 1 else 1e-3
+
+    monkeypatch.setattr(probe_mod, "best_time", best_time)
+    monkeypatch.setattr(AutoTuner, "_allreduce", tagged)
+    runs = run_pipeline("auto:warmup=2,trial=0,candidates=none,fp16", _grads(3, 2), 2)
+    assert calls == {0: tries, 1: tries}
+    assert runs[0].pipeline.auto.decisions[0]["link"] == runs[1].pipeline.auto.decisions[0]["link"]
+
+
+def test_a_contender_clearly_slower_than_the_shortest_stops_early(monkeypatch):
+    """Three contenders, 12 trial exchanges each: top-k (predicted fastest) runs first; none's step
+    period, 3x top-k's, is out of reach after the settle periods and 3 more exchanges, so it stops
+    there (one allreduce agrees on it); fp16, within the slack, runs its whole window and is kept
+    (the most accurate within the slack). Same decisions on every rank; the exact result of the
+    exchange is untouched (the cut only shortens a measurement)."""
+    model = {"none": 7e-3, "fp16": 5e-3, "topk": 3e-3}
+    real = {"none": 20e-3, "fp16": 3.2e-3, "topk": 3e-3}
+    _fake_costs(monkeypatch, model, real)
+    ran = {}
+    timed = AutoTuner.exchange_time
+
+    def count(self, seconds):
+        if self._trial is not None and self.pipe.rank == 0:
+            name = self.auto.candidates[self.choice[0]].name
+            ran[name] = ran.get(name, 0) + 1
+        timed(self, seconds)
+
+    monkeypatch.setattr(AutoTuner, "exchange_time", count)
+    runs = run_pipeline("auto:warmup=2,check=50,trial=12,candidates=none,fp16,topk:ratio=0.01", _grads(40, 2), 2)
+    for r in runs:
+        d = r.pipeline.auto.decisions
+        assert d[0]["reason"] == "warmup; trying 3 contenders", d
+        assert d[1]["reason"] == "trial" and d[1]["choice"] == ["fp16"], d
+        assert list(d[1]["measured_period_ms"]) == ["topk:ratio=0.01", "fp16", "none"], d
+        assert d[1]["cut_early"] == ["none"] and d[1]["measured_period_ms"]["none"] == pytest.approx(25.0), d
+        assert r.pipeline.auto.report()["choice"] == ["fp16"]
+    assert ran == {"topk": 12, "fp16": 12, "none": 5}, ran
+    # a contender inside the bound is not cut: with none at 1.3x top-k's period it runs its window
+    real["none"] = 5.4e-3
+    ran.clear()
+    runs = run_pipeline("auto:warmup=2,check=50,trial=12,candidates=none,fp16,topk:ratio=0.01", _grads(40, 2), 2)
+    assert runs[0].pipeline.auto.decisions[1]["cut_early"] == [] and ran["none"] == 12, ran
 
 
 def test_drift_needs_two_checks_in_a_row():
