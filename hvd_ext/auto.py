@@ -29,11 +29,11 @@ on and decides per bucket:
 * **trial** -- the model errs by 2-3x on a busy machine (it put top-k ahead
   of fp16 at 1 Gbit/s where fp16's steps were 25% shorter), so candidates
   predicted within 3x of the fastest are not chosen from the prediction: each
-  such contender runs ``trial`` (20) exchanges, the predicted fastest first,
-  and the most accurate whose median step period (the ranks' mean) is within
-  ``slack`` of the shortest is kept. A contender whose period after a quarter
-  of its window is over 1.3x that bound stops there. ``trial=0`` trusts the
-  model.
+  such contender runs ``trial`` (20) exchanges, in two interleaved rounds of
+  10 (the predicted fastest first, then the reverse order), and the most
+  accurate whose median step period (the ranks' mean) is within ``slack`` of
+  the shortest is kept. A contender whose period after a quarter of its
+  exchanges is over 1.3x that bound stops there. ``trial=0`` trusts the model.
 
 The measurements are averaged over the ranks in one small allreduce and rank
 0's decision is broadcast, so every rank uses the same codec for every bucket.
@@ -84,6 +84,7 @@ _PROBE_ENOUGH = 10.0  # one large probe suffices once it takes this x the small 
 _COLLECTIVES = {"allreduce": 1, "allgather": 1, "twophase": 2, "sparse_rs": 2}
 _CONTEND = 3.0   # a candidate predicted within this factor of the fastest is tried before the choice
 _CUT = 1.3      # a trial contender this x (1 + slack) slower than the shortest so far stops early
+_ROUNDS = 2     # a trial's contenders take turns in this many rounds (ABC CBA)
 _SETTLE = 2      # periods right after a switch (new buffers, first calls) left out of a trial's median
 
 AUTO_OPTIONS = {
@@ -261,10 +262,10 @@ class AutoTuner:
         if step < max(a.warmup, getattr(self.pipe, "dense_steps", 0)):  # dense warm-up (variance_freeze)
             return
         if self._trial is not None:
-            ran = step - self._trial["start"]
-            if ran >= a.trial:
+            t, ran = self._trial, step - self._trial["start"]
+            if ran >= _SETTLE + t["window"]:
                 self._trial_window_done()
-            elif ran == _SETTLE + max(3, a.trial // 4) and self._trial["periods"]:
+            elif ran == _SETTLE + max(3, a.trial // 4) and t["round"] == 0 and t["first"]:
                 self._trial_window_done(early=True)
             return
         if self.last_eval is None or step - self.last_eval >= a.every:
@@ -485,8 +486,9 @@ class AutoTuner:
             first = configs[order[0]]
             agreed, routes, predicted = first["choice"], first["routes"], first["predicted"]
             reason += f"; trying {len(configs)} contenders"
-            self._trial = {"configs": configs, "order": order, "i": 0, "start": pipe.step,
-                           "periods": {}, "exchange": {}, "cut": []}
+            self._trial = {"configs": configs, "order": order, "round": 0, "i": 0, "start": pipe.step,
+                           "window": max(1, self.auto.trial // _ROUNDS), "periods": {}, "exchange": {},
+                           "first": {}, "cut": []}
         changed = self._apply(agreed, routes)
         # A re-decision that changes nothing (measurement noise, ranks out of step): check less often.
         self._check_every = self.auto.check if changed or reason.split(";")[0] in ("warmup", "scheduled") \
@@ -543,59 +545,82 @@ class AutoTuner:
         return out if len(out) > 1 else []
 
     def _trial_window_done(self, early: bool = False) -> None:
-        """One contender has run ``trial`` exchanges: its median step period and exchange time (the
-        ranks' mean, one allreduce) are kept, its candidates calibrated; then the next contender, or
-        the choice: the most accurate whose period is within ``slack`` of the shortest.
+        """One contender's window is over: its step periods and exchange times are kept (after the
+        ``_SETTLE`` periods of the switch), then the next contender runs. The contenders take turns in
+        ``_ROUNDS`` (2) rounds of ``trial / 2`` exchanges, the second round in reverse order (ABC CBA:
+        this machine's speed drifts between blocks of steps -- one trial measured fp16 at 6.5 ms for ten
+        steps, then 7.5 ms -- and interleaving spreads a drift over every contender). After the last
+        window each contender's median period over both rounds (the ranks' mean, one allreduce) gives
+        the choice: the most accurate within ``slack`` of the shortest, its candidates calibrated.
 
-        ``early``: a contender after a quarter of its window (at least 3 exchanges past the settle
-        periods). Where its median period so far is over ``_CUT`` x (1 + slack) x the shortest
-        measured before it, it cannot be chosen: it stops there (successive halving's rule, Jamieson
-        and Talwalkar 2016: stop measuring what is clearly worse). On the main job at 300 Mbit/s qsgd
-        ran 1.7x top-k's period; its 20 trial steps cost 0.2 s of a 13 s job."""
+        ``early`` (first round only): a contender after a quarter of its ``trial`` (at least 3
+        exchanges past the settle periods) whose median period is over ``_CUT`` x (1 + slack) x the
+        shortest first-round window cannot be chosen, and stops (successive halving's rule, Jamieson
+        and Talwalkar 2016). On the main job at 300 Mbit/s qsgd ran 1.7x top-k's period; its trial
+        steps cost 0.2 s of a 13 s job."""
         t, pipe = self._trial, self.pipe
+        order = t["order"] if t["round"] == 0 else list(reversed([ci for ci in t["order"] if ci not in t["cut"]]))
+        ci = order[t["i"]]
         periods = self._periods[_SETTLE:] or self._periods
         meas = self._measured[_SETTLE:] or self._measured
-        mine = torch.tensor([_median(periods) if periods else 0.0, _median(meas) if meas else 0.0])
-        got = self._allreduce(mine, f"hvd_ext.auto.trial.{pipe.step}")
-        shortest = min(t["periods"].values()) if t["periods"] else None
-        if early and float(got[0]) <= _CUT * (1 + self.auto.slack) * shortest:
-            return  # a contender still: it runs its whole window
-        ci = t["order"][t["i"]]
-        cfg = t["configs"][ci]
-        t["periods"][ci] = float(got[0])
-        t["exchange"][ci] = float(got[1])
-        if early:
-            t["cut"].append(cfg["label"])
-        self._calibrate(float(got[1]), [cfg["predicted"]])
+        if t["round"] == 0:  # the ranks' mean of this window, for the early cut
+            got = self._allreduce(torch.tensor([_median(periods) if periods else 0.0, _median(meas) if meas else 0.0]),
+                                  f"hvd_ext.auto.trial.{pipe.step}")
+            if early:
+                if float(got[0]) <= _CUT * (1 + self.auto.slack) * min(t["first"].values()):
+                    return  # a contender still: it runs its whole window
+                t["cut"].append(ci)
+                self._calibrate(float(got[1]), [t["configs"][ci]["predicted"]], ran=t["configs"][ci]["choice"])
+            t["first"][ci] = float(got[0])
+        t["periods"].setdefault(ci, []).extend(periods)
+        t["exchange"].setdefault(ci, []).extend(meas)
         self._measured, self._periods = [], []
         t["i"] += 1
-        if t["i"] < len(t["configs"]):
-            nxt = t["configs"][t["order"][t["i"]]]
-            self._apply(nxt["choice"], nxt["routes"])
+        if t["i"] >= len(order) and t["round"] + 1 < _ROUNDS and len(t["order"]) - len(t["cut"]) > 1:
+            t["round"], t["i"] = t["round"] + 1, 0
+            order = list(reversed([c for c in t["order"] if c not in t["cut"]]))
+        if t["i"] < len(order):
+            nxt = t["configs"][order[t["i"]]]
+            self._apply(nxt["choice"], nxt["routes"])  # (the last of a round opens the next: no change)
             t["start"] = pipe.step
             return
-        shortest = min(t["periods"].values())
-        pick = next(i for i in range(len(t["configs"])) if t["periods"][i] <= (1 + self.auto.slack) * shortest)
+        self._trial_decide()
+
+    def _trial_decide(self) -> None:
+        """Every window has run: the choice from the contenders' medians over both rounds."""
+        t, pipe = self._trial, self.pipe
+        alive = [ci for ci in t["order"] if ci not in t["cut"]]
+        mine = []
+        for ci in alive:
+            mine += [_median(t["periods"][ci]) if t["periods"][ci] else 0.0,
+                     _median(t["exchange"][ci]) if t["exchange"][ci] else 0.0]
+        got = self._allreduce(torch.tensor(mine), f"hvd_ext.auto.trial.decide.{pipe.step}")
+        period = {ci: float(got[2 * k]) for k, ci in enumerate(alive)}
+        exchange = {ci: float(got[2 * k + 1]) for k, ci in enumerate(alive)}
+        for ci in alive:
+            self._calibrate(exchange[ci], [t["configs"][ci]["predicted"]], ran=t["configs"][ci]["choice"])
+        shortest = min(period.values())
+        pick = next(ci for ci in range(len(t["configs"])) if ci in period and period[ci] <= (1 + self.auto.slack) * shortest)
         cfg = t["configs"][pick]
         self._trial = None
         self._apply(cfg["choice"], cfg["routes"])
-        self.predicted_s = t["exchange"][pick]  # the drift check's reference: what this choice measured
+        self.predicted_s = exchange[pick]  # the drift check's reference: what this choice measured
         self.last_eval = pipe.step
         self._check_every = self.auto.check
+        measured = {t["configs"][ci]["label"]: round(period.get(ci, t["first"].get(ci, 0.0)) * 1e3, 3) for ci in t["order"]}
         self.decisions.append({"step": pipe.step, "reason": "trial",
-                               "choice": [self.auto.candidate_specs[ci] for ci in self.choice],
+                               "choice": [self.auto.candidate_specs[c] for c in self.choice],
                                "predicted_ms": round(self.predicted_s * 1e3, 3),
                                "link": self.decisions[-1].get("link") if self.decisions else None,
-                               "measured_period_ms": {t["configs"][i]["label"]: round(t["periods"][i] * 1e3, 3)
-                                                      for i in t["order"]},
-                               "cut_early": list(t["cut"]),
+                               "measured_period_ms": measured,
+                               "cut_early": [t["configs"][ci]["label"] for ci in t["cut"]],
                                "calibration": self._calibration_report()})
         del self.decisions[:-20]
 
     def _calibration_report(self) -> Dict[str, float]:
         return {self.auto.candidate_specs[ci]: round(r, 3) for ci, r in sorted(self.calib.items())}
 
-    def _calibrate(self, measured: float, predicted: List[float]) -> None:
+    def _calibrate(self, measured: float, predicted: List[float], ran: Optional[List[int]] = None) -> None:
         """Learn how far the model's prediction is from this machine: the codecs that ran since the last
         decision (the dense warm-up's ``none`` at first) took ``measured`` seconds per exchange (the
         ranks' mean) against ``predicted`` (per bucket, this decision's model); that ratio, clamped to
@@ -607,7 +632,7 @@ class AutoTuner:
         if measured <= 0 or pred <= 0:
             return
         r = min(max(measured / pred, 0.5), 10.0)
-        for ci in set(self.choice):
+        for ci in set(self.choice if ran is None else ran):
             old = self.calib.get(ci)
             self.calib[ci] = r if old is None else (old * r) ** 0.5
 

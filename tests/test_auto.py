@@ -285,7 +285,7 @@ def test_contenders_the_model_cannot_separate_are_measured(monkeypatch):
     # where the contenders' periods are within the slack, the more accurate one is kept; trial=0 trusts
     # the model (top-k)
     real["topk"] = 4.8e-3
-    runs = run_pipeline("auto:warmup=2,check=2,trial=4,candidates=none,fp16,topk:ratio=0.01", _grads(14, 2), 2)
+    runs = run_pipeline("auto:warmup=2,check=2,trial=4,candidates=none,fp16,topk:ratio=0.01", _grads(20, 2), 2)
     assert runs[0].pipeline.auto.report()["choice"] == ["fp16"]
     runs = run_pipeline("auto:warmup=2,check=50,trial=0,candidates=none,fp16,topk:ratio=0.01", _grads(6, 2), 2)
     assert runs[0].pipeline.auto.report()["choice"] == ["topk:ratio=0.01"]
@@ -335,21 +335,24 @@ def test_the_link_probe_tries_the_large_allreduce_again_only_where_it_is_cheap(m
 
 
 def test_a_contender_clearly_slower_than_the_shortest_stops_early(monkeypatch):
-    """Three contenders, 12 trial exchanges each: top-k (predicted fastest) runs first; none's step
-    period, 3x top-k's, is out of reach after the settle periods and 3 more exchanges, so it stops
-    there (one allreduce agrees on it); fp16, within the slack, runs its whole window and is kept
-    (the most accurate within the slack). Same decisions on every rank; the exact result of the
+    """Three contenders, 12 trial exchanges each in two rounds of 6 (ABC, then CBA): top-k (predicted
+    fastest) runs first; none's step period, 3x top-k's, is out of reach after the settle periods and
+    3 more exchanges, so it stops there (one allreduce agrees on it) and sits out the second round;
+    fp16, within the slack, runs both windows and is kept (the most accurate within the slack). Same decisions on every rank; the exact result of the
     exchange is untouched (the cut only shortens a measurement)."""
     model = {"none": 7e-3, "fp16": 5e-3, "topk": 3e-3}
     real = {"none": 20e-3, "fp16": 3.2e-3, "topk": 3e-3}
     _fake_costs(monkeypatch, model, real)
-    ran = {}
+    ran, seq = {}, []
     timed = AutoTuner.exchange_time
 
     def count(self, seconds):
         if self._trial is not None and self.pipe.rank == 0:
             name = self.auto.candidates[self.choice[0]].name
             ran[name] = ran.get(name, 0) + 1
+            if not seq or seq[-1][0] != name:
+                seq.append([name, 0])
+            seq[-1][1] += 1
         timed(self, seconds)
 
     monkeypatch.setattr(AutoTuner, "exchange_time", count)
@@ -361,12 +364,14 @@ def test_a_contender_clearly_slower_than_the_shortest_stops_early(monkeypatch):
         assert list(d[1]["measured_period_ms"]) == ["topk:ratio=0.01", "fp16", "none"], d
         assert d[1]["cut_early"] == ["none"] and d[1]["measured_period_ms"]["none"] == pytest.approx(25.0), d
         assert r.pipeline.auto.report()["choice"] == ["fp16"]
-    assert ran == {"topk": 12, "fp16": 12, "none": 5}, ran
+    assert ran == {"topk": 16, "fp16": 16, "none": 5}, ran  # 2 rounds of 2 settle + 6 measured; none cut
+    # the rounds interleave, the second in reverse order and without none (cut in the first)
+    assert seq == [["topk", 8], ["fp16", 8], ["none", 5], ["fp16", 8], ["topk", 8]], seq
     # a contender inside the bound is not cut: with none at 1.3x top-k's period it runs its window
     real["none"] = 5.4e-3
     ran.clear()
-    runs = run_pipeline("auto:warmup=2,check=50,trial=12,candidates=none,fp16,topk:ratio=0.01", _grads(40, 2), 2)
-    assert runs[0].pipeline.auto.decisions[1]["cut_early"] == [] and ran["none"] == 12, ran
+    runs = run_pipeline("auto:warmup=2,check=50,trial=12,candidates=none,fp16,topk:ratio=0.01", _grads(56, 2), 2)
+    assert runs[0].pipeline.auto.decisions[1]["cut_early"] == [] and ran["none"] == 16, ran
 
 
 def test_drift_needs_two_checks_in_a_row():
