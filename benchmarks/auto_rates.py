@@ -108,7 +108,8 @@ def markdown(a, s: dict, command: str, when: str) -> str:
     lines = [f"`compression=\"auto\"` against fixed methods at {len(s['rows'])} link rates. MNIST-1D CNN, 2 ranks, "
              f"{a.epochs} epochs, target 93%, {seeds}. {when}.", "",
              "Command (each rate runs `benchmarks/compare.py --no-baselines` with these methods, one job after the "
-             "other; per-rate tables in `auto_rates_<rate>.md`):", "", "```", command, "```", "",
+             "other, each seed starting the list one method later; per-rate tables in `auto_rates_<rate>.md`):",
+             "", "```", command, "```", "",
              f"\"Best fixed\" is the best of {', '.join('`' + f + '`' for f in a.fixed)}. `horovod` is plain "
              "`hvd.DistributedOptimizer` (fp32 allreduce). auto's codec: its final choice (number of decisions).", "",
              "| rate | horovod ms/step | none ms/step · acc | auto ms/step · acc | auto's codec | best fixed by ms/step "
@@ -141,9 +142,12 @@ def main(argv=None):
     t0 = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if not a.summarize:
         for rate in a.rates:
-            for seed in a.seeds:
+            for k, seed in enumerate(a.seeds):
                 out = str(run_file(a.out, rate, seed, a.seeds))[:-len(".json")]
-                cmd = [sys.executable, str(HERE / "compare.py"), "--no-baselines", "--methods", *methods,
+                # the jobs run one after the other: each seed starts the list one method later, so
+                # that no method always runs first (this machine's speed drifts between jobs)
+                order = methods[k % len(methods):] + methods[:k % len(methods)]
+                cmd = [sys.executable, str(HERE / "compare.py"), "--no-baselines", "--methods", *order,
                        "--epochs", str(a.epochs), "--rate", rate, "--seed", str(seed), "--out", out]
                 print("+", " ".join(cmd), flush=True)
                 subprocess.run(cmd, check=True)
