@@ -338,8 +338,8 @@ def test_a_contender_clearly_slower_than_the_shortest_stops_early(monkeypatch):
     """Three contenders, 12 trial exchanges each in two rounds of 6 (ABC, then CBA): top-k (predicted
     fastest) runs first; none's step period, 3x top-k's, is out of reach after the settle periods and
     3 more exchanges, so it stops there (one allreduce agrees on it) and sits out the second round;
-    fp16, within the slack, runs both windows and is kept (the most accurate within the slack). Same decisions on every rank; the exact result of the
-    exchange is untouched (the cut only shortens a measurement)."""
+    fp16, within the slack, runs both windows and is kept (the most accurate within the slack). The
+    same decisions on every rank."""
     model = {"none": 7e-3, "fp16": 5e-3, "topk": 3e-3}
     real = {"none": 20e-3, "fp16": 3.2e-3, "topk": 3e-3}
     _fake_costs(monkeypatch, model, real)
