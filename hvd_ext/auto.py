@@ -562,7 +562,7 @@ class AutoTuner:
         and Talwalkar 2016). On the main job at 300 Mbit/s qsgd ran 1.7x top-k's period; its trial
         steps cost 0.2 s of a 13 s job."""
         t, pipe = self._trial, self.pipe
-        order = t["order"] if t["round"] == 0 else list(reversed([ci for ci in t["order"] if ci not in t["cut"]]))
+        order = _round_order(t)
         ci = order[t["i"]]
         periods = self._periods[_SETTLE:] or self._periods
         meas = self._measured[_SETTLE:] or self._measured
@@ -581,7 +581,7 @@ class AutoTuner:
         t["i"] += 1
         if t["i"] >= len(order) and t["round"] + 1 < _ROUNDS and len(t["order"]) - len(t["cut"]) > 1:
             t["round"], t["i"] = t["round"] + 1, 0
-            order = list(reversed([c for c in t["order"] if c not in t["cut"]]))
+            order = _round_order(t)
         if t["i"] < len(order):
             nxt = t["configs"][order[t["i"]]]
             self._apply(nxt["choice"], nxt["routes"])  # (the last of a round opens the next: no change)
@@ -693,6 +693,14 @@ class AutoTuner:
         self.debt = {k: v.clone() for k, v in (state or {}).get("debt", {}).items()}
         self.debt_left = dict((state or {}).get("debt_left", {}))
         self._released = {}
+
+
+def _round_order(t: Dict[str, Any]) -> List[int]:
+    """The contenders of trial ``t``'s current round, in the order they run: the first round by
+    prediction, later rounds reversed and without the contenders cut early."""
+    if t["round"] == 0:
+        return t["order"]
+    return list(reversed([ci for ci in t["order"] if ci not in t["cut"]]))
 
 
 def _median(xs: List[float]) -> float:
