@@ -6,6 +6,28 @@ from setuptools import setup, find_packages
 from setuptools.command.build_py import build_py as _build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+CUPY = {"11": "cupy-cuda11x", "12": "cupy-cuda12x", "13": "cupy-cuda13x"}
+
+
+def cuda_major():
+    """The CUDA major version the GPU kernels will run with: torch's CUDA build, else the driver's
+    (nvidia-smi), else 12. A CuPy wheel of another major version cannot load."""
+    try:
+        import torch
+        if torch.version.cuda:
+            return torch.version.cuda.split(".")[0]
+    except Exception:
+        pass
+    try:
+        import re
+        import subprocess
+        out = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
+        m = re.search(r"CUDA Version:\s*(\d+)", out)
+        if m:
+            return m.group(1)
+    except Exception:
+        pass
+    return "12"
 
 
 class build_py(_build_py):
@@ -34,5 +56,7 @@ setup(
     cmdclass={"build_py": build_py},
     python_requires=">=3.9",
     install_requires=["torch", "numpy"],
-    extras_require={"gpu": ["cupy-cuda12x"]},
+    # "gpu": the CuPy wheel of this machine's CUDA major version; or name it: cuda11, cuda12, cuda13
+    extras_require=dict({"gpu": [CUPY.get(cuda_major(), "cupy-cuda12x")]},
+                        **{f"cuda{v}": [w] for v, w in CUPY.items()}),
 )

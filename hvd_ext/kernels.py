@@ -1,28 +1,41 @@
 """GPU kernels for the compression hot loops, with torch reference implementations.
 
 The CUDA sources live in ``kernels/*.cu`` (plain CUDA C++, ``extern "C"`` entry
-points). They are compiled at run time by ``cupy.RawModule`` (NVRTC), once per
-device (cached in this process and in CuPy's on-disk cache), and launched on
-torch's *current* CUDA stream. Torch tensors reach CuPy through DLPack
-(``cupy.from_dlpack``), zero copy; every output is allocated by torch.
+points): the single source. A *runtime* compiles and launches them:
+:class:`CupyRuntime` (the default) compiles with ``cupy.RawModule`` (NVRTC), once
+per device, and launches on torch's *current* CUDA stream; torch tensors reach CuPy
+through DLPack, zero copy; every output is allocated by torch. The tests install a
+CPU execution of the same sources (``tests/cuda_cpu``) with :func:`use_runtime`.
 
-Dispatch: a public function runs the CUDA kernel when its tensors are CUDA
-tensors of the supported dtype, CuPy imports, and the reference path is not
-forced; otherwise it runs the ``*_reference`` torch implementation (any device).
-Force the reference path with ``HVD_EXT_KERNELS=reference`` in the environment
-or ``use_reference(True)``; ``backend(tensor)`` says which path a tensor takes.
-Kernel and reference give bit-identical results for packing, selection,
-quantize/pack codes, dequantize-accumulate, majority vote and the memory
-updates; ``sparse_scatter_add`` uses float atomics on the GPU, so its sums are
-equal up to float rounding order when indices repeat across ranks.
+Dispatch: a public function runs the kernel when its tensors are device tensors of
+the supported dtype, the runtime can run them, and the reference path is not forced;
+otherwise it runs the ``*_reference`` torch implementation, on whatever device the
+tensors are. Force the reference path with ``HVD_EXT_KERNELS=reference`` or
+``use_reference(True)``; ``backend(tensor)`` says which path a tensor takes.
+
+Failing safe: device tensors without a usable CuPy warn once and take the torch code;
+a kernel that fails to compile or launch warns once, naming the kernel and the error,
+and the torch code runs for the rest of the run. Launch arguments are checked against
+the kernel's C signature (count, types, every tensor on the launch's device), so a
+pointer to the wrong memory is refused rather than read.
+
+No host syncs (``docs/gpu.md``): the references and the host logic around the kernels
+never read a device value, except the one count ``select_threshold`` must know to size
+its output. Pointer tables go up without blocking (``ops.device.upload``). Checks on
+device values (indices in range, sorted levels) are ``ops.device.expect``-ed: read at
+once outside a pipeline step, with the step's one read inside it.
+
+Kernel and reference give bit-identical results for packing, selection, quantize/pack
+codes, dequantize-accumulate, majority vote and the memory updates;
+``sparse_scatter_add`` uses float atomics on the GPU, so its sums are equal up to float
+rounding order when indices repeat across ranks.
 
 Where the sources are found (``kernel_dir()``): ``$HVD_EXT_KERNEL_DIR`` if set,
 else ``hvd_ext/_cu/`` inside the installed package (``setup.py`` copies
 ``kernels/*.cu`` there at build time), else ``kernels/`` next to the
 ``hvd_ext`` package (source checkout, ``pip install -e .``).
 
-Counter-based random numbers (``quantize_pack``, the sample of
-``select_threshold``), identical in CUDA (kernels/common.cuh) and here::
+Counter-based random numbers (``quantize_pack``), identical in CUDA (kernels/common.cuh) and here::
 
     mix32(x)        = lowbias32: x ^= x>>16; x *= 0x7feb352d; x ^= x>>15; x *= 0x846ca68b; x ^= x>>16
     stream_key(s,t) = mix32(mix32(s ^ 0x9e3779b9) ^ t)            (s, t mod 2^32)
@@ -37,65 +50,29 @@ take ceil(n*bits/8) bytes; unused high bits of the last byte are 0.
 ``pack_bits_reference`` / ``unpack_bits_reference`` (and so the torch paths of
 ``quantize_pack``, ``sign_pack``, ``majority_vote``, ...) delegate there.
 
-Who calls what (wired; CPU tensors keep the compressors' own torch code, bit for bit)
---------------------------------------------------------------------------------------
-* bit packing (qsgd, qdist, terngrad, natural, onebit, signsgd family):
-  ``pack_bits`` / ``unpack_bits`` / ``sign_pack`` always (dispatch inside);
-* sparse ``aggregate`` (topk, threshold, dgc, sig, randomk): ``sparse_scatter_add`` always;
-* ``mode=sampled`` selection (topk, dgc, sig, incl. bucket-wide budgets):
-  ``select_threshold`` when ``backend(score) == "cuda"``;
-* majority vote (signsgd, signum): ``majority_vote`` on CUDA (tie handling adapted);
-* stochastic rounding (qsgd, qdist, terngrad, int8 ``stochastic=1``): ``quantize_pack``
-  on CUDA, seeded by ``derive_seed(seed, name, rank)`` and the step (the CPU paths keep
-  their ``torch.Generator`` streams, so CPU and GPU draw different random numbers);
+Who calls what: the compressors' device paths (``ops.device.on_host`` false) call these
+functions; their host paths are their own fused CPU code (``compression._fast``).
+
+* bit packing (qsgd, qdist, terngrad, natural, onebit, signsgd family): ``pack_bits`` /
+  ``unpack_bits`` / ``sign_pack``;
+* sparse ``aggregate`` (topk, threshold, dgc, sig, randomk): ``sparse_scatter_add``;
+* ``mode=sampled`` selection (topk, dgc, sig, incl. bucket-wide budgets): ``select_threshold``;
+* majority vote (signsgd, signum): ``majority_vote`` (tie handling adapted);
+* stochastic rounding (qsgd, qdist, terngrad, int8 ``stochastic=1``): ``quantize_pack``,
+  seeded by ``derive_seed(seed, name, rank)`` and the step;
 * feedbacks: ``residual_update`` (residual, ewma, dgc_momentum's accumulator) and
-  ``ewma_update`` (ewma's S) on CUDA.
-The CUDA-only paths are gated by ``backend(...)``, so the reference switch covers them.
+  ``ewma_update`` (ewma's S).
 
-How a compressor calls these (the payload formats stay the compressors' own)
-------------------------------------------------------------------------------
-Top-k / threshold sparsifier (payload = k int32 indices + k float32 values, as
-``randomk``)::
-
-    idx, val = kernels.select_threshold(u.reshape(-1), k, sample_ratio=0.01,
-                                        seed=kernels.derive_seed(seed, info.name, info.rank) ^ info.step)
-    payload = as_bytes(idx, val)      # len(idx) varies: k/2 <= len <= 2k (see select_threshold)
-    # fixed-size payload wanted? take the top k of (idx, val) by |val| (small), or pad.
-    # aggregate():
-    out = torch.zeros(info.numel, dtype=torch.float32, device=datas[0].device)
-    kernels.sparse_scatter_add(out, [idx_r ...], [val_r ...], scale=1.0)   # the exchange scales by 1/N
-    # (or scale=1/N to get the average directly); indices int32/int64, values float32.
-    # error feedback: kernels.residual_update(memory, u, sent_dense)  ->  memory = u - sent
-
-b-bit quantizer with a level table (QSGD-like, distribution-fitted levels)::
-
-    levels = sorted float32 tensor, 2 <= len(levels) <= 2**bits, in units of `scale`
-    codes  = kernels.quantize_pack(u.reshape(-1), levels, scale, bits,
-                                   seed=kernels.derive_seed(seed, info.name, info.rank), step=info.step)
-    payload = as_bytes(header..., codes)                  # codes: ceil(n*bits/8) uint8
-    # aggregate(): one fused pass over all ranks
-    out = torch.zeros(n, dtype=torch.float32, device=dev)
-    kernels.unpack_dequantize_accumulate(out, [codes_r ...], [levels_r ...] or levels, [scale_r ...], bits, n)
-    # decode() of one rank: the same call with one rank's data.
-    # Seeds MUST differ per rank (derive_seed(.., rank)), else all ranks round the
-    # same way and the rounding errors do not average out.
-
-signSGD with majority vote::
-
-    payload = kernels.sign_pack(u.reshape(-1))            # ceil(n/8) bytes, bit 1 <=> u >= 0
-    dense   = kernels.majority_vote([payload_r ...], n)   # float32 +-1 (tie -> +1)
-
-Feedback memories::
-
-    kernels.residual_update(memory, u, sent)              # memory <- u - sent (in place)
-    kernels.ewma_update(S, G, mask, beta)                 # S <- beta*S + (1-beta)*G where mask
+Seeds MUST differ per rank (``derive_seed(.., rank)``), else all ranks round the same
+way and the rounding errors do not average out.
 """
 from __future__ import annotations
 
 import math
 import os
-import struct
+import re
 import threading
+import warnings
 import zlib
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -105,29 +82,104 @@ import torch
 
 # the torch bit-packing implementation (absolute import: this file is also loaded standalone by tests)
 from hvd_ext.compression import bitpack as _bitpack
+from hvd_ext.ops.device import compact, expect, on_host, read, upload
 
 __all__ = [
-    "use_reference", "backend", "kernel_dir", "derive_seed", "stream_key", "hash_u32", "uniform",
-    "select_threshold", "select_threshold_reference",
+    "use_reference", "use_runtime", "backend", "kernel_dir", "kernel_source", "kernel_signatures",
+    "CupyRuntime", "KernelUnavailable", "derive_seed", "stream_key", "hash_u32", "uniform",
+    "select_threshold", "select_threshold_reference", "threshold_for", "compact_ge",
     "sparse_scatter_add", "sparse_scatter_add_reference",
     "pack_bits", "pack_bits_reference", "unpack_bits", "unpack_bits_reference",
     "quantize_pack", "quantize_pack_reference",
     "unpack_dequantize_accumulate", "unpack_dequantize_accumulate_reference",
     "sign_pack", "sign_pack_reference", "majority_vote", "majority_vote_reference",
     "residual_update", "residual_update_reference", "ewma_update", "ewma_update_reference",
-    "KERNEL_FILES", "packed_nbytes", "kernel_source",
+    "KERNEL_FILES", "packed_nbytes",
 ]
 
 KERNEL_FILES = ("sparsify.cu", "quantize.cu", "sign.cu", "memory.cu")
 
 # ---------------------------------------------------------------------------------------------
-# dispatch
+# dispatch and the kernel runtime
 # ---------------------------------------------------------------------------------------------
 
 _force_reference = os.environ.get("HVD_EXT_KERNELS", "").strip().lower() in ("reference", "ref", "torch")
-_cupy = None          # module once imported
-_cupy_error: Optional[str] = None
 _lock = threading.Lock()
+_disabled: Optional[str] = None   # a kernel failed to compile or launch: the torch path from then on
+_warned: set = set()
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel could not be compiled or launched; the caller runs the torch reference instead."""
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+class CupyRuntime:
+    """Compiles ``kernels/*.cu`` with ``cupy.RawModule`` (NVRTC) once per device and launches on torch's
+    current CUDA stream; torch tensors reach CuPy through DLPack, zero copy."""
+
+    name = "cupy"
+
+    def __init__(self):
+        self._cupy = None
+        self._error: Optional[str] = None
+        self._modules: Dict[Tuple[str, int], object] = {}
+        self._functions: Dict[Tuple[str, str, int], object] = {}
+        self._sm: Dict[int, int] = {}
+
+    def unavailable(self) -> Optional[str]:
+        """None when CuPy imports, else why not."""
+        if self._cupy is None and self._error is None:
+            try:
+                import cupy
+                self._cupy = cupy
+            except Exception as e:  # ImportError, or a broken CUDA install
+                self._error = f"{type(e).__name__}: {e}"
+        return self._error
+
+    def accepts(self, t: torch.Tensor) -> bool:
+        return t.is_cuda
+
+    def sm_count(self, device: torch.device) -> int:
+        dev = device.index if device.index is not None else torch.cuda.current_device()
+        sm = self._sm.get(dev)
+        if sm is None:
+            sm = self._sm[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+        return sm
+
+    def _function(self, module: str, fn: str, device: int):
+        key = (module, fn, device)
+        f = self._functions.get(key)
+        if f is None:
+            cp = self._cupy
+            with _lock:
+                mod = self._modules.get((module, device))
+                with cp.cuda.Device(device):
+                    if mod is None:
+                        mod = cp.RawModule(code=kernel_source(module), options=("-std=c++14",))
+                        self._modules[(module, device)] = mod
+                    f = mod.get_function(fn)
+                self._functions[key] = f
+        return f
+
+    def launch(self, device: torch.device, module: str, fn: str, grid: int, block: int, args,
+               shared_mem: int) -> None:
+        cp = self._cupy
+        dev = device.index if device.index is not None else torch.cuda.current_device()
+        f = self._function(module, fn, dev)
+        stream = torch.cuda.current_stream(dev)
+        with cp.cuda.Device(dev):
+            with cp.cuda.ExternalStream(stream.cuda_stream, dev):
+                cargs = tuple(cp.from_dlpack(a.detach()) if isinstance(a, torch.Tensor) else a for a in args)
+                f((int(grid),), (int(block),), cargs, shared_mem=int(shared_mem))
+
+
+_runtime = CupyRuntime()
 
 
 def use_reference(flag: bool = True) -> None:
@@ -136,33 +188,34 @@ def use_reference(flag: bool = True) -> None:
     _force_reference = bool(flag)
 
 
-def _get_cupy():
-    global _cupy, _cupy_error
-    if _cupy is None and _cupy_error is None:
-        try:
-            import cupy  # noqa: F401
-            _cupy = cupy
-        except Exception as e:  # ImportError, or a broken CUDA install
-            _cupy_error = f"{type(e).__name__}: {e}"
-    return _cupy
-
-
-def _on_gpu(t) -> bool:
-    """The device predicate of :func:`backend` (one place, so tests can stand in for a GPU)."""
-    return isinstance(t, torch.Tensor) and t.is_cuda
+def use_runtime(runtime=None):
+    """Launch the kernels with ``runtime`` (an object with ``unavailable``, ``accepts``, ``sm_count`` and
+    ``launch`` like :class:`CupyRuntime`; None: a new CuPy runtime) and forget an earlier kernel
+    failure. Returns the previous runtime. Tests install a CPU execution of the CUDA sources this way."""
+    global _runtime, _disabled
+    prev = _runtime
+    _runtime = runtime if runtime is not None else CupyRuntime()
+    _disabled = None
+    _warned.discard("failed")
+    _warned.discard("unavailable")
+    return prev
 
 
 def backend(*tensors: torch.Tensor) -> str:
-    """``"cuda"`` when the kernels would run for these tensors, else ``"reference"``.
-
-    Compressors and feedbacks ask this before taking a CUDA-only code path (one whose
-    torch counterpart is their own CPU code), so ``use_reference(True)`` /
-    ``HVD_EXT_KERNELS=reference`` forces the torch path there too."""
-    if _force_reference or not tensors:
+    """``"cuda"`` when the kernels would run for these tensors, else ``"reference"`` (the torch code,
+    on whatever device the tensors are). Device tensors without usable kernels warn once."""
+    if _force_reference or not tensors or _disabled is not None:
         return "reference"
-    if not all(_on_gpu(t) for t in tensors):
+    if any(on_host(t) for t in tensors) or not all(_runtime.accepts(t) for t in tensors):
         return "reference"
-    return "cuda" if _get_cupy() is not None else "reference"
+    why = _runtime.unavailable()
+    if why is not None:
+        _warn_once("unavailable", f"hvd_ext: tensors on {tensors[0].device} but the GPU kernels cannot run ({why}); "
+                                  "the torch code runs instead. Install the CuPy wheel of your CUDA major version "
+                                  "(cupy-cuda11x, cupy-cuda12x or cupy-cuda13x; scripts/setup.sh picks it), or set "
+                                  "HVD_EXT_KERNELS=reference to say the torch code is meant.")
+        return "reference"
+    return "cuda"
 
 
 def _cuda(*tensors, dtypes=()) -> bool:
@@ -171,8 +224,16 @@ def _cuda(*tensors, dtypes=()) -> bool:
     return all(t.dtype == d for t, d in zip(tensors, dtypes))
 
 
+def _dispatch(kernel_path, reference_path):
+    """The kernel path, or the reference when a kernel cannot be compiled or launched."""
+    try:
+        return kernel_path()
+    except KernelUnavailable:
+        return reference_path()
+
+
 # ---------------------------------------------------------------------------------------------
-# loading the .cu sources
+# the .cu sources, their signatures, launching
 # ---------------------------------------------------------------------------------------------
 
 def kernel_dir() -> Path:
@@ -195,55 +256,81 @@ def kernel_source(name: str) -> str:
     return src.replace('#include "common.cuh"', common)
 
 
-_functions: Dict[Tuple[str, str, int], object] = {}
-_modules: Dict[Tuple[str, int], object] = {}
+_C_TYPES = {"i64": "int64", "int": "int32", "u32": "uint32", "float": "float32"}
+_PTR_DTYPES = {"float": (torch.float32,), "int": (torch.int32,), "u8": (torch.uint8, torch.bool),
+               "u32": (torch.int32, torch.uint8), "u64": (torch.int64,), "i64": (torch.int64,)}
+_signatures: Dict[str, List[Tuple[str, str]]] = {}
 
 
-def _function(module: str, fn: str, device: int):
-    key = (module, fn, device)
-    f = _functions.get(key)
-    if f is None:
-        cp = _get_cupy()
-        with _lock:
-            mod = _modules.get((module, device))
-            with cp.cuda.Device(device):
-                if mod is None:
-                    mod = cp.RawModule(code=kernel_source(module), options=("-std=c++14",))
-                    _modules[(module, device)] = mod
-                f = mod.get_function(fn)
-            _functions[key] = f
-    return f
+def kernel_signatures() -> Dict[str, List[Tuple[str, str]]]:
+    """fn -> [("ptr", C base type) | ("val", numpy dtype name)] of every entry point, from the sources."""
+    if not _signatures:
+        found = {}
+        for name in KERNEL_FILES:
+            for fn, params in re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', kernel_source(name), re.S):
+                out = []
+                for p in params.split(","):
+                    toks = p.replace("__restrict__", "").replace("const", "").split()
+                    base = toks[0].rstrip("*")
+                    out.append(("ptr", base) if "*" in p else ("val", _C_TYPES[base]))
+                found[fn] = out
+        _signatures.update(found)
+    return _signatures
 
 
-_sm_count: Dict[int, int] = {}
+def _check_args(fn: str, device: torch.device, args) -> None:
+    """Every argument of a launch against the kernel's C signature: count, pointer or value, element /
+    scalar type, and every tensor contiguous on the launch's device (a raw pointer into another
+    device's memory would be read as garbage, not refused)."""
+    sig = kernel_signatures()[fn]
+    if len(sig) != len(args):
+        raise TypeError(f"{fn}: {len(args)} arguments for a signature of {len(sig)}")
+    for i, (a, (kind, ty)) in enumerate(zip(args, sig)):
+        if kind == "ptr":
+            if isinstance(a, torch.Tensor):
+                if a.device != device:
+                    raise ValueError(f"{fn}: argument {i} is on {a.device}, the launch on {device}")
+                if a.dtype not in _PTR_DTYPES[ty]:
+                    raise ValueError(f"{fn}: argument {i} ({ty}*) has dtype {a.dtype}")
+                if not a.is_contiguous():
+                    raise ValueError(f"{fn}: argument {i} is not contiguous")
+            elif not (isinstance(a, np.uint64) and int(a) == 0):
+                raise TypeError(f"{fn}: argument {i} ({ty}*) must be a tensor or the null pointer")
+        elif not (isinstance(a, np.generic) and a.dtype == np.dtype(ty)):
+            raise TypeError(f"{fn}: argument {i} must be numpy {ty}, got {type(a).__name__}")
 
 
-def _grid(work: int, device: int, per_block: int = 256) -> int:
+def _grid(work: int, device: torch.device, per_block: int = 256) -> int:
     """Blocks for a grid-stride kernel: enough to fill the GPU, never more than the work needs."""
-    sm = _sm_count.get(device)
-    if sm is None:
-        sm = _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return int(max(1, min(-(-work // per_block), sm * 16)))
+    return int(max(1, min(-(-work // per_block), _runtime.sm_count(device) * 16)))
 
 
 def _launch(device_tensor: torch.Tensor, module: str, fn: str, grid: int, block: int, args, shared_mem: int = 0):
-    """Launch ``fn`` on torch's current stream of ``device_tensor``'s device.
+    """Launch ``fn`` on the runtime (torch's current stream of ``device_tensor``'s device). A compile or
+    launch failure warns once, naming the kernel and the error, and turns the kernels off for the rest
+    of the run (:class:`KernelUnavailable`: the caller runs the torch reference)."""
+    global _disabled
+    device = device_tensor.device
+    _check_args(fn, device, args)
+    try:
+        _runtime.launch(device, module, fn, grid, block, args, shared_mem)
+    except Exception as e:
+        _disabled = f"{fn}: {type(e).__name__}: {e}"
+        _warn_once("failed", f"hvd_ext: the CUDA kernel {fn} failed ({type(e).__name__}: {str(e)[:300]}); "
+                             "the torch code runs instead for the rest of this run")
+        raise KernelUnavailable(_disabled) from e
 
-    ``args`` items that are torch tensors are handed over through DLPack (zero copy)."""
-    cp = _get_cupy()
-    dev = device_tensor.device.index
-    if dev is None:
-        dev = torch.cuda.current_device()
-    f = _function(module, fn, dev)
-    stream = torch.cuda.current_stream(dev)
-    with cp.cuda.Device(dev):
-        with cp.cuda.ExternalStream(stream.cuda_stream, dev):
-            cargs = tuple(cp.from_dlpack(a.detach()) if isinstance(a, torch.Tensor) else a for a in args)
-            f((int(grid),), (int(block),), cargs, shared_mem=int(shared_mem))
 
-
-def _ptrs(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device, non_blocking=False)
+def _ptrs(tensors: Sequence[torch.Tensor], device: torch.device, dtypes: Tuple[torch.dtype, ...],
+          what: str) -> torch.Tensor:
+    """The device addresses of ``tensors`` as an int64 tensor on ``device``, uploaded without waiting;
+    every tensor must be on ``device`` and of one of ``dtypes`` (the kernel reads raw memory)."""
+    for i, t in enumerate(tensors):
+        if t.device != device:
+            raise ValueError(f"{what}: tensor {i} is on {t.device}, the output on {device}")
+        if t.dtype not in dtypes:
+            raise ValueError(f"{what}: tensor {i} has dtype {t.dtype}; accepted: {', '.join(map(str, dtypes))}")
+    return upload([t.data_ptr() for t in tensors], torch.int64, device)
 
 
 _I64 = np.int64
@@ -293,21 +380,25 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hash_u32(key: int, i: torch.Tensor) -> torch.Tensor:
-    """hash(key, i) for an int64 tensor of non-negative element indices; int64 result in [0, 2^32)."""
+def hash_u32(key: int, i: torch.Tensor, below_2_32: Optional[bool] = None) -> torch.Tensor:
+    """hash(key, i) for an int64 tensor of non-negative element indices; int64 result in [0, 2^32).
+    ``below_2_32``: the caller knows every index is below 2^32 (else it is tested, on the device
+    without a read)."""
     i = i.to(torch.int64)
     lo, hi = i & _M32, i >> 32
     key &= _M32
-    if bool((hi != 0).any()):
-        k = torch.where(hi != 0, _mix32(key ^ _mul32(hi, 0x9E3779B9)), torch.full_like(hi, key))
-    else:
+    if below_2_32 is None and on_host(i):
+        below_2_32 = not bool((hi != 0).any())
+    if below_2_32:
         k = key
+    else:
+        k = torch.where(hi != 0, _mix32(key ^ _mul32(hi, 0x9E3779B9)), torch.full_like(hi, key))
     return _mix32(lo ^ k)
 
 
-def uniform(key: int, i: torch.Tensor) -> torch.Tensor:
+def uniform(key: int, i: torch.Tensor, below_2_32: Optional[bool] = None) -> torch.Tensor:
     """uniform(key, i) as float32 in [0, 1) (24 random bits)."""
-    return (hash_u32(key, i) >> 8).to(torch.float32) * (2.0 ** -24)
+    return (hash_u32(key, i, below_2_32) >> 8).to(torch.float32) * (2.0 ** -24)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,32 +434,38 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     bits = _check_bits(bits)
     if not _cuda(codes, dtypes=(torch.uint8,)):
         return pack_bits_reference(codes, bits)
-    c = codes.reshape(-1).contiguous()
-    n = c.numel()
-    nbytes = packed_nbytes(n, bits)
-    out = torch.empty(nbytes, dtype=torch.uint8, device=c.device)
-    if n:
-        groups = (n + 7) // 8
-        _launch(c, "quantize.cu", "hvd_pack_bits", _grid(groups, c.device.index), 256,
-                (c, _I64(n), _I32(bits), out, _I64(nbytes)))
-    return out
+
+    def kernel():
+        c = codes.reshape(-1).contiguous()
+        n = c.numel()
+        nbytes = packed_nbytes(n, bits)
+        out = torch.empty(nbytes, dtype=torch.uint8, device=c.device)
+        if n:
+            _launch(c, "quantize.cu", "hvd_pack_bits", _grid((n + 7) // 8, c.device), 256,
+                    (c, _I64(n), _I32(bits), out, _I64(nbytes)))
+        return out
+    return _dispatch(kernel, lambda: pack_bits_reference(codes, bits))
 
 
 def unpack_bits(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of ``pack_bits``: the first n codes (uint8) of the stream ``data``."""
     bits = _check_bits(bits)
-    if not _cuda(data, dtypes=(torch.uint8,)):
-        return unpack_bits_reference(data, bits, n)
     n = int(n)
-    d = data.reshape(-1).contiguous()
+    d = data.reshape(-1)
     if d.numel() < packed_nbytes(n, bits):
         raise ValueError(f"unpack_bits: need {packed_nbytes(n, bits)} bytes for {n} codes of {bits} bits, "
                          f"got {d.numel()}")
-    out = torch.empty(n, dtype=torch.uint8, device=d.device)
-    if n:
-        _launch(d, "quantize.cu", "hvd_unpack_bits", _grid((n + 7) // 8, d.device.index), 256,
-                (d, _I64(n), _I32(bits), out))
-    return out
+    if not _cuda(data, dtypes=(torch.uint8,)):
+        return unpack_bits_reference(data, bits, n)
+
+    def kernel():
+        dc = d.contiguous()
+        out = torch.empty(n, dtype=torch.uint8, device=dc.device)
+        if n:
+            _launch(dc, "quantize.cu", "hvd_unpack_bits", _grid((n + 7) // 8, dc.device), 256,
+                    (dc, _I64(n), _I32(bits), out))
+        return out
+    return _dispatch(kernel, lambda: unpack_bits_reference(data, bits, n))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,6 +477,8 @@ def _check_levels(levels: torch.Tensor, bits: int) -> torch.Tensor:
     L = lv.numel()
     if not 2 <= L <= (1 << bits):
         raise ValueError(f"levels must hold 2..2**bits={1 << bits} values, got {L}")
+    expect((lv[1:] >= lv[:-1]).all(), "quantize_pack: levels must be sorted in ascending order (the rounding "
+                                      "searches them)")
     return lv
 
 
@@ -393,14 +492,19 @@ def _inv_scale(scale) -> np.float32:
 def quantize_pack_reference(x: torch.Tensor, levels: torch.Tensor, scale, bits: int, seed: int = 0,
                             step: int = 0) -> torch.Tensor:
     bits = _check_bits(bits)
-    lv = _check_levels(levels, bits).to(x.device)
+    return _quantize_pack_torch(x, _check_levels(levels, bits), scale, bits, seed, step)
+
+
+def _quantize_pack_torch(x, lv, scale, bits, seed, step):
+    if lv.device != x.device:
+        lv = lv.to(x.device)
     L = lv.numel()
     v = x.reshape(-1).to(torch.float32) * torch.tensor(_inv_scale(scale), dtype=torch.float32)
     n = v.numel()
     c = (torch.searchsorted(lv, v, right=True) - 1).clamp_(0, L - 2)
     c = torch.where(torch.isnan(v), torch.zeros_like(c), c)
     a, b = lv[c], lv[c + 1]
-    u = uniform(stream_key(seed, step), torch.arange(n, device=v.device, dtype=torch.int64))
+    u = uniform(stream_key(seed, step), torch.arange(n, device=v.device, dtype=torch.int64), n <= 2 ** 32)
     codes = c + ((u * (b - a)) < (v - a)).to(c.dtype)
     return pack_bits_reference(codes, bits)
 
@@ -415,21 +519,24 @@ def quantize_pack(x: torch.Tensor, levels: torch.Tensor, scale, bits: int, seed:
     E[levels[code]] = v inside [levels[0], levels[-1]] (up to 2^-23 relative);
     values outside are clamped to the end levels; NaN gives code 0. Returns ceil(n*bits/8)
     uint8 bytes (BIT ORDER CONTRACT). Codes are bit-identical between kernel and reference.
+    ``levels`` must be on x's device on a GPU (a host table would be a blocking copy).
     """
     bits = _check_bits(bits)
     lv = _check_levels(levels, bits)
     if not _cuda(x, dtypes=(torch.float32,)):
-        return quantize_pack_reference(x, lv, scale, bits, seed, step)
-    xf = x.reshape(-1).contiguous()
-    lv = lv.to(xf.device)
-    n = xf.numel()
-    nbytes = packed_nbytes(n, bits)
-    out = torch.empty(nbytes, dtype=torch.uint8, device=xf.device)
-    if n:
-        _launch(xf, "quantize.cu", "hvd_quantize_pack", _grid((n + 7) // 8, xf.device.index), 256,
-                (xf, _I64(n), lv, _I32(lv.numel()), _inv_scale(scale), _U32(stream_key(seed, step)),
-                 _I32(bits), out, _I64(nbytes)))
-    return out
+        return _quantize_pack_torch(x, lv, scale, bits, seed, step)
+
+    def kernel():
+        xf = x.reshape(-1).contiguous()
+        n = xf.numel()
+        nbytes = packed_nbytes(n, bits)
+        out = torch.empty(nbytes, dtype=torch.uint8, device=xf.device)
+        if n:
+            _launch(xf, "quantize.cu", "hvd_quantize_pack", _grid((n + 7) // 8, xf.device), 256,
+                    (xf, _I64(n), lv, _I32(lv.numel()), _inv_scale(scale), _U32(stream_key(seed, step)),
+                     _I32(bits), out, _I64(nbytes)))
+        return out
+    return _dispatch(kernel, lambda: _quantize_pack_torch(x, lv, scale, bits, seed, step))
 
 
 def _tables(levels_list, scales, nranks: int, device) -> torch.Tensor:
@@ -444,7 +551,7 @@ def _tables(levels_list, scales, nranks: int, device) -> torch.Tensor:
     if isinstance(scales, torch.Tensor):
         sc = scales.reshape(-1).to(device=device, dtype=torch.float32)
     else:
-        sc = torch.tensor([float(s) for s in scales], dtype=torch.float32, device=device)
+        sc = upload([float(s) for s in scales], torch.float32, device)
     if sc.numel() != nranks:
         raise ValueError(f"scales has {sc.numel()} entries for {nranks} ranks")
     return (lv * sc[:, None]).contiguous()
@@ -462,7 +569,7 @@ def unpack_dequantize_accumulate_reference(out: torch.Tensor, datas: Sequence[to
     tab = _tables(levels_list, scales, len(datas), out.device)
     L = tab.shape[1]
     for r, d in enumerate(datas):
-        codes = unpack_bits_reference(d.to(out.device), bits, n).to(torch.int64).clamp_(max=L - 1)
+        codes = unpack_bits_reference(d, bits, n).to(torch.int64).clamp_(max=L - 1)
         flat.add_(tab[r][codes].to(flat.dtype))
     return out
 
@@ -478,24 +585,28 @@ def unpack_dequantize_accumulate(out: torch.Tensor, datas: Sequence[torch.Tensor
     """
     bits = _check_bits(bits)
     n = int(n)
-    if not datas or not _cuda(out, *datas, dtypes=(torch.float32,) + (torch.uint8,) * len(datas)) \
-            or not out.is_contiguous():
-        return unpack_dequantize_accumulate_reference(out, datas, levels_list, scales, bits, n)
     if out.numel() != n:
         raise ValueError(f"out has {out.numel()} elements, expected n={n}")
     need = packed_nbytes(n, bits)
-    ds = [d.reshape(-1).contiguous() for d in datas]
-    for d in ds:
+    for d in datas:
         if d.numel() < need:
             raise ValueError(f"payload of {d.numel()} bytes, need {need} for {n} codes of {bits} bits")
-    tab = _tables(levels_list, scales, len(ds), out.device)
-    nranks, L = tab.shape
-    use_shared = nranks * L * 4 <= 32768
-    if n:
-        _launch(out, "quantize.cu", "hvd_unpack_dequant_acc", _grid((n + 7) // 8, out.device.index), 256,
-                (out, _I64(n), _ptrs(ds, out.device), _I32(nranks), tab, _I32(L), _I32(bits), _I32(use_shared)),
-                shared_mem=nranks * L * 4 if use_shared else 0)
-    return out
+    if not datas or not _cuda(out, *datas, dtypes=(torch.float32,) + (torch.uint8,) * len(datas)) \
+            or not out.is_contiguous():
+        return unpack_dequantize_accumulate_reference(out, datas, levels_list, scales, bits, n)
+
+    def kernel():
+        ds = [d.reshape(-1).contiguous() for d in datas]
+        tab = _tables(levels_list, scales, len(ds), out.device)
+        nranks, L = tab.shape
+        use_shared = nranks * L * 4 <= 32768
+        if n:
+            _launch(out, "quantize.cu", "hvd_unpack_dequant_acc", _grid((n + 7) // 8, out.device), 256,
+                    (out, _I64(n), _ptrs(ds, out.device, (torch.uint8,), "unpack_dequantize_accumulate"),
+                     _I32(nranks), tab, _I32(L), _I32(bits), _I32(use_shared)),
+                    shared_mem=nranks * L * 4 if use_shared else 0)
+        return out
+    return _dispatch(kernel, lambda: unpack_dequantize_accumulate_reference(out, datas, levels_list, scales, bits, n))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,14 +622,16 @@ def sign_pack(x: torch.Tensor) -> torch.Tensor:
     ceil(n/8) uint8 bytes, element i in bit i%8 of byte i//8 (BIT ORDER CONTRACT, bits=1)."""
     if not _cuda(x, dtypes=(torch.float32,)):
         return sign_pack_reference(x)
-    xf = x.reshape(-1).contiguous()
-    n = xf.numel()
-    words = (n + 31) // 32
-    out = torch.empty(words * 4, dtype=torch.uint8, device=xf.device)
-    if n:
-        _launch(xf, "sign.cu", "hvd_sign_pack", _grid(words * 32, xf.device.index), 256,
-                (xf, _I64(n), out))
-    return out[:(n + 7) // 8]
+
+    def kernel():
+        xf = x.reshape(-1).contiguous()
+        n = xf.numel()
+        words = (n + 31) // 32
+        out = torch.empty(words * 4, dtype=torch.uint8, device=xf.device)
+        if n:
+            _launch(xf, "sign.cu", "hvd_sign_pack", _grid(words * 32, xf.device), 256, (xf, _I64(n), out))
+        return out[:(n + 7) // 8]
+    return _dispatch(kernel, lambda: sign_pack_reference(x))
 
 
 def majority_vote_reference(datas: Sequence[torch.Tensor], n: int) -> torch.Tensor:
@@ -528,7 +641,7 @@ def majority_vote_reference(datas: Sequence[torch.Tensor], n: int) -> torch.Tens
     dev = datas[0].device
     cnt = torch.zeros(n, dtype=torch.int32, device=dev)
     for d in datas:
-        cnt += unpack_bits_reference(d.to(dev), 1, n).to(torch.int32)
+        cnt += unpack_bits_reference(d, 1, n).to(torch.int32)
     one = torch.ones((), dtype=torch.float32, device=dev)
     return torch.where(2 * cnt >= len(datas), one, -one)
 
@@ -539,18 +652,21 @@ def majority_vote(datas: Sequence[torch.Tensor], n: int) -> torch.Tensor:
     n = int(n)
     if not datas:
         raise ValueError("majority_vote needs at least one payload")
-    if not _cuda(*datas, dtypes=(torch.uint8,) * len(datas)):
-        return majority_vote_reference(datas, n)
     need = (n + 7) // 8
-    ds = [d.reshape(-1).contiguous() for d in datas]
-    for d in ds:
+    for d in datas:
         if d.numel() < need:
             raise ValueError(f"payload of {d.numel()} bytes, need {need} for {n} signs")
-    out = torch.empty(n, dtype=torch.float32, device=ds[0].device)
-    if n:
-        _launch(out, "sign.cu", "hvd_majority_vote", _grid(need, out.device.index), 256,
-                (out, _I64(n), _ptrs(ds, out.device), _I32(len(ds))))
-    return out
+    if not _cuda(*datas, dtypes=(torch.uint8,) * len(datas)):
+        return majority_vote_reference(datas, n)
+
+    def kernel():
+        ds = [d.reshape(-1).contiguous() for d in datas]
+        out = torch.empty(n, dtype=torch.float32, device=ds[0].device)
+        if n:
+            _launch(out, "sign.cu", "hvd_majority_vote", _grid(need, out.device), 256,
+                    (out, _I64(n), _ptrs(ds, out.device, (torch.uint8,), "majority_vote"), _I32(len(ds))))
+        return out
+    return _dispatch(kernel, lambda: majority_vote_reference(datas, n))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -568,11 +684,14 @@ def residual_update(memory: torch.Tensor, u: torch.Tensor, sent: torch.Tensor) -
         raise ValueError(f"residual_update: sizes differ ({memory.numel()}, {u.numel()}, {sent.numel()})")
     if not (_cuda(memory, u, sent, dtypes=(torch.float32,) * 3) and memory.is_contiguous()):
         return residual_update_reference(memory, u, sent)
-    n = memory.numel()
-    if n:
-        _launch(memory, "memory.cu", "hvd_residual_update", _grid(n, memory.device.index), 256,
-                (memory, u.reshape(-1).contiguous(), sent.reshape(-1).contiguous(), _I64(n)))
-    return memory
+
+    def kernel():
+        n = memory.numel()
+        if n:
+            _launch(memory, "memory.cu", "hvd_residual_update", _grid(n, memory.device), 256,
+                    (memory, u.reshape(-1).contiguous(), sent.reshape(-1).contiguous(), _I64(n)))
+        return memory
+    return _dispatch(kernel, lambda: residual_update_reference(memory, u, sent))
 
 
 def _beta(beta) -> Tuple[np.float32, np.float32]:
@@ -597,33 +716,46 @@ def ewma_update(S: torch.Tensor, G: torch.Tensor, mask: Optional[torch.Tensor], 
     beta and 1-beta are rounded to float32; products and sum rounded separately (no FMA). In place."""
     if S.numel() != G.numel() or (mask is not None and mask.numel() != S.numel()):
         raise ValueError("ewma_update: S, G and mask must have the same number of elements")
+    b, c = _beta(beta)
     tensors = (S, G) if mask is None else (S, G, mask)
     if not (_cuda(*tensors, dtypes=(torch.float32, torch.float32)) and S.is_contiguous()
             and (mask is None or mask.dtype in (torch.bool, torch.uint8))):
         return ewma_update_reference(S, G, mask, beta)
-    b, c = _beta(beta)
-    n = S.numel()
-    m = _NULL if mask is None else mask.reshape(-1).contiguous().view(torch.uint8)
-    if n:
-        _launch(S, "memory.cu", "hvd_ewma_update", _grid(n, S.device.index), 256,
-                (S, G.reshape(-1).contiguous(), m, _I64(n), b, c))
-    return S
+
+    def kernel():
+        n = S.numel()
+        m = _NULL if mask is None else mask.reshape(-1).contiguous().view(torch.uint8)
+        if n:
+            _launch(S, "memory.cu", "hvd_ewma_update", _grid(n, S.device), 256,
+                    (S, G.reshape(-1).contiguous(), m, _I64(n), b, c))
+        return S
+    return _dispatch(kernel, lambda: ewma_update_reference(S, G, mask, beta))
 
 
 # ---------------------------------------------------------------------------------------------
 # sparse payloads: scatter-add
 # ---------------------------------------------------------------------------------------------
 
+def _in_range(idx: torch.Tensor, n: int) -> torch.Tensor:
+    return ((idx >= 0) & (idx < n)).all() if idx.numel() else torch.ones((), dtype=torch.bool, device=idx.device)
+
+
 def sparse_scatter_add_reference(out: torch.Tensor, indices_list: Sequence[torch.Tensor],
                                  values_list: Sequence[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
     flat = out.view(-1)
+    n = flat.numel()
     s = torch.tensor(np.float32(scale))
     for idx, val in zip(indices_list, values_list):
         if idx.numel():
+            i = idx.reshape(-1).to(device=flat.device, dtype=torch.int64)
             v = val.reshape(-1).to(device=flat.device, dtype=torch.float32)
+            ok = (i >= 0) & (i < n)
+            expect(ok.all(), f"sparse_scatter_add: an index outside [0, {n}) (a corrupt payload?)")
+            if not on_host(i):  # the check is read later: keep the write in bounds meanwhile
+                i, v = torch.where(ok, i, 0), torch.where(ok, v, 0.0)
             if scale != 1.0:
                 v = v * s
-            flat.index_add_(0, idx.reshape(-1).to(device=flat.device, dtype=torch.int64), v.to(flat.dtype))
+            flat.index_add_(0, i, v.to(flat.dtype))
     return out
 
 
@@ -634,7 +766,8 @@ def sparse_scatter_add(out: torch.Tensor, indices_list: Sequence[torch.Tensor],
     ``out``: contiguous float32 dense tensor (its flat view is indexed). indices int32 or int64,
     values float32, one pair per rank (lengths may differ, may be empty). Indices may repeat
     across ranks (they add up); on the GPU the adds are float atomics, so the rounding order
-    of repeated indices is not fixed. Returns ``out``."""
+    of repeated indices is not fixed. An index outside [0, numel) raises ValueError (on a device
+    when the step reads its checks; nothing is written out of bounds). Returns ``out``."""
     if len(indices_list) != len(values_list):
         raise ValueError("sparse_scatter_add: indices_list and values_list differ in length")
     for i, v in zip(indices_list, values_list):
@@ -647,181 +780,179 @@ def sparse_scatter_add(out: torch.Tensor, indices_list: Sequence[torch.Tensor],
             and all(v.dtype == torch.float32 for v in values_list)
             and (idx64 or all(i.dtype == torch.int32 for i in indices_list))):
         return sparse_scatter_add_reference(out, indices_list, values_list, scale)
-    idx = [i.reshape(-1).contiguous() for i in indices_list]
-    val = [v.reshape(-1).contiguous() for v in values_list]
-    lens = [0]
-    for i in idx:
-        lens.append(lens[-1] + i.numel())
-    total = lens[-1]
-    if total:
-        offsets = torch.tensor(lens, dtype=torch.int64).to(out.device)
-        _launch(out, "sparsify.cu", "hvd_scatter_add", _grid(total, out.device.index), 256,
-                (out, _ptrs(idx, out.device), _ptrs(val, out.device), offsets, _I32(len(idx)),
-                 _I32(1 if idx64 else 0), np.float32(scale)))
-    return out
+
+    def kernel():
+        idx = [i.reshape(-1).contiguous() for i in indices_list]
+        val = [v.reshape(-1).contiguous() for v in values_list]
+        lens = [0]
+        for i in idx:
+            lens.append(lens[-1] + i.numel())
+        total = lens[-1]
+        if total:
+            dev = out.device
+            err = torch.zeros(1, dtype=torch.int32, device=dev)
+            _launch(out, "sparsify.cu", "hvd_scatter_add", _grid(total, dev), 256,
+                    (out, _I64(out.numel()), _ptrs(idx, dev, (torch.int64,) if idx64 else (torch.int32,), "indices"),
+                     _ptrs(val, dev, (torch.float32,), "values"), upload(lens, torch.int64, dev), _I32(len(idx)),
+                     _I32(1 if idx64 else 0), np.float32(scale), err))
+            expect(err[0] == 0, f"sparse_scatter_add: an index outside [0, {out.numel()}) (a corrupt payload?)")
+        return out
+    return _dispatch(kernel, lambda: sparse_scatter_add_reference(out, indices_list, values_list, scale))
 
 
 # ---------------------------------------------------------------------------------------------
-# threshold selection (sampled threshold, histogram refinement, block-scan compaction)
+# threshold selection (threshold on the device, one count read, block-scan compaction)
 # ---------------------------------------------------------------------------------------------
 
-MIN_SAMPLE = 1024          # never estimate the threshold from fewer samples
 HIST_BINS = 4096
 _SEL_TILE = 256 * 16       # = SEL_TILE in sparsify.cu
-_SAMPLE_STEP = 0x5E1EC7    # step value of the sampling stream: stream_key(seed, _SAMPLE_STEP)
-
-
-def _bits_to_float(b: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", int(b) & _M32))[0]
-
-
-def _ratio(c: int, k: int) -> float:
-    return max(c / k, k / c) if c > 0 else math.inf
 
 
 class _RefOps:
-    """Selection primitives in torch (any device)."""
-
-    def sample_abs(self, x, m, key):
-        n = x.numel()
-        i = hash_u32(key, torch.arange(m, device=x.device, dtype=torch.int64)) % n
-        return x[i].abs()
-
-    def count(self, x, t):
-        return int((x.abs() >= t).sum()), None
+    """Selection primitives in torch (any device; no host read)."""
 
     def hist(self, x, prefix, prefix_shift, shift):
         bits = x.view(torch.int32).to(torch.int64) & 0x7FFFFFFF
-        keep = (bits <= 0x7F800000) & ((bits >> prefix_shift) == prefix)
-        b = (bits[keep] >> shift) & (HIST_BINS - 1)
-        return torch.bincount(b, minlength=HIST_BINS).cpu()
+        keep = bits <= 0x7F800000
+        if prefix is not None:
+            keep = keep & ((bits >> prefix_shift) == prefix.to(torch.int64))
+        b = torch.where(keep, (bits >> shift) & (HIST_BINS - 1), HIST_BINS)  # the others: one bin past the end
+        h = torch.zeros(HIST_BINS + 1, dtype=torch.int64, device=x.device)
+        return h.scatter_add_(0, b, torch.ones_like(b))[:HIST_BINS]
 
-    def compact(self, x, t, total, state):
-        idx = torch.nonzero(x.abs() >= t).reshape(-1)
+    def compact(self, x, t, total):
+        idx = compact(x.abs() >= t, total)
         return idx.to(torch.int32), x[idx]
 
 
 class _CudaOps:
     """Selection primitives on the GPU (kernels in sparsify.cu)."""
 
-    def sample_abs(self, x, m, key):
-        out = torch.empty(m, dtype=torch.float32, device=x.device)
-        _launch(x, "sparsify.cu", "hvd_sample_abs", _grid(m, x.device.index), 256,
-                (x, _I64(x.numel()), out, _I64(m), _U32(key)))
-        return out
+    def hist(self, x, prefix, prefix_shift, shift):
+        h = torch.zeros(HIST_BINS, dtype=torch.int32, device=x.device)
+        p = _NULL if prefix is None else prefix.to(torch.int32).reshape(1)
+        _launch(x, "sparsify.cu", "hvd_hist_abs", _grid(x.numel(), x.device, 1024), 1024,
+                (x, _I64(x.numel()), p, _I32(prefix_shift), _I32(shift), h))
+        return h.to(torch.int64)
 
-    def _block_offsets(self, x, t):
+    def compact(self, x, t, total):
         n = x.numel()
         blocks = -(-n // _SEL_TILE)
         counts = torch.empty(blocks, dtype=torch.int32, device=x.device)
-        _launch(x, "sparsify.cu", "hvd_count_ge", blocks, 256, (x, _I64(n), np.float32(t), counts))
-        inc = torch.cumsum(counts, 0, dtype=torch.int64)
-        return inc, counts
-
-    def count(self, x, t):
-        inc, counts = self._block_offsets(x, t)
-        return int(inc[-1]), (inc, counts)          # the one device->host sync of the fast path
-
-    def hist(self, x, prefix, prefix_shift, shift):
-        h = torch.zeros(HIST_BINS, dtype=torch.int32, device=x.device)
-        _launch(x, "sparsify.cu", "hvd_hist_abs", _grid(x.numel(), x.device.index, 1024), 1024,
-                (x, _I64(x.numel()), _U32(prefix), _I32(prefix_shift), _I32(shift), h))
-        return h.cpu().to(torch.int64)
-
-    def compact(self, x, t, total, state):
-        if state is None:
-            state = self._block_offsets(x, t)          # total already known: no sync
-        inc, counts = state
-        offsets = (inc - counts).contiguous()          # exclusive scan of the block counts
+        _launch(x, "sparsify.cu", "hvd_count_ge", blocks, 256, (x, _I64(n), t, counts))
+        offsets = (torch.cumsum(counts, 0, dtype=torch.int64) - counts).contiguous()  # exclusive scan
         idx = torch.empty(total, dtype=torch.int32, device=x.device)
         val = torch.empty(total, dtype=torch.float32, device=x.device)
         if total:
-            _launch(x, "sparsify.cu", "hvd_compact_ge", offsets.numel(), 256,
-                    (x, _I64(x.numel()), np.float32(t), offsets, idx, val))
+            _launch(x, "sparsify.cu", "hvd_compact_ge", blocks, 256, (x, _I64(n), t, offsets, idx, val))
         return idx, val
 
 
-def _pick(k: int, cands: List[Tuple[float, int]]) -> Tuple[float, int]:
-    """First candidate (threshold, count) within [k/2, 2k], else the one closest to k in ratio."""
-    for t, c in cands:
-        if k / 2 <= c <= 2 * k:
-            return t, c
-    return min(cands, key=lambda tc: _ratio(tc[1], k))
+def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """``t[i]`` for a 0-d index tensor, as a gather (indexing by a 0-d tensor reads it on the host)."""
+    return t.index_select(0, i.reshape(1)).reshape(())
 
 
-def _refine(x, k, ops) -> Tuple[float, int]:
-    """Threshold from a histogram of the float bits of |x| (12 bits: exponent + 3 mantissa bits,
-    bins ~6-12% wide), and a second histogram inside the chosen bin when that bin alone holds
-    too many elements (24 bits in all). Counts are exact, no further pass needed."""
-    h1 = ops.hist(x, 0, 31, 19)
-    ge1 = torch.flip(torch.cumsum(torch.flip(h1, [0]), 0), [0]).tolist() + [0]   # ge1[b] = #{bin >= b}
-    b = max((i for i in range(HIST_BINS) if ge1[i] >= k), default=0)
-    lo = (_bits_to_float(b << 19), ge1[b])
-    hi = (_bits_to_float((b + 1) << 19), ge1[b + 1])
-    if k / 2 <= lo[1] <= 2 * k or k / 2 <= hi[1] <= 2 * k:
-        return _pick(k, [lo, hi])
+def _at_or_above(h: torch.Tensor) -> torch.Tensor:
+    """ge[b] = #{entries in bins >= b}, with ge[HIST_BINS] = 0."""
+    ge = torch.flip(torch.cumsum(torch.flip(h, [0]), 0), [0])
+    return torch.cat([ge, ge.new_zeros(1)])
+
+
+def _hist_threshold(x: torch.Tensor, k: int, ops) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(threshold t, #{|x| >= t}) as 0-d device tensors, from two histograms of |x|'s float bits.
+
+    Level 1 bins the top 12 bits (exponent and 3 mantissa bits, bins ~6-12% wide): b is the highest
+    bin with at least k elements at or above it. Level 2 bins the next 12 bits inside bin b (24 bits
+    in all). The candidates are the edges around the k-th largest |x| at both levels (level 2's low
+    and high edge, then level 1's); the one whose count is closest to k in ratio wins (the first of
+    equals): about k elements unless ties of |x| make it impossible, and within [k/2, 2k] whenever
+    some edge is. Counts are exact; NaN is never counted."""
+    h1 = ops.hist(x, None, 31, 19)
+    ge1 = _at_or_above(h1)
+    b = ((ge1[:HIST_BINS] >= k).sum() - 1).clamp(min=0)
     h2 = ops.hist(x, b, 19, 7)
-    ge2 = [v + ge1[b + 1] for v in torch.flip(torch.cumsum(torch.flip(h2, [0]), 0), [0]).tolist()] + [ge1[b + 1]]
-    b2 = max((i for i in range(HIST_BINS) if ge2[i] >= k), default=0)
-    lo2 = (_bits_to_float((b << 19) | (b2 << 7)), ge2[b2])
-    hi2 = (_bits_to_float(((b << 19) | (b2 << 7)) + (1 << 7)), ge2[b2 + 1])
-    return _pick(k, [lo2, hi2, lo, hi])
+    ge2 = _at_or_above(h2) + _at(ge1, b + 1)
+    b2 = ((ge2[:HIST_BINS] >= k).sum() - 1).clamp(min=0)
+    lo2 = (b << 19) | (b2 << 7)
+    bits = torch.stack([lo2, lo2 + (1 << 7), b << 19, (b + 1) << 19])
+    counts = torch.stack([_at(ge2, b2), _at(ge2, b2 + 1), _at(ge1, b), _at(ge1, b + 1)])
+    ratio = torch.where(counts > 0, torch.maximum(counts / k, k / counts.clamp(min=1)), math.inf)
+    pick = ratio.argmin()
+    t = _at(bits, pick).to(torch.int32).view(torch.float32)
+    return t, _at(counts, pick)
 
 
-def _select(x: torch.Tensor, k: int, sample_ratio: float, seed: int, ops) -> Tuple[torch.Tensor, torch.Tensor]:
+def _threshold(x: torch.Tensor, k: int, exact: bool, ops) -> Tuple[torch.Tensor, torch.Tensor]:
+    if exact:
+        a = x.abs()
+        t = torch.topk(torch.where(a == a, a, -1.0), k, sorted=False).values.min().reshape(1)  # NaN: never
+        return t, (a >= t).sum()
+    t, count = _hist_threshold(x, k, ops)
+    return t.reshape(1), count
+
+
+def _select(x: torch.Tensor, k: int, exact: bool, ops) -> Tuple[torch.Tensor, torch.Tensor]:
     n = x.numel()
-    if n >= 2 ** 31:
-        raise ValueError("select_threshold: tensors of 2^31 elements or more are not supported (int32 indices)")
     if k <= 0 or n == 0:
         return (torch.empty(0, dtype=torch.int32, device=x.device), torch.empty(0, dtype=x.dtype, device=x.device))
     if k >= n:
         return torch.arange(n, dtype=torch.int32, device=x.device), x.clone()
-    m = n if sample_ratio >= 1 else min(n, max(MIN_SAMPLE, math.ceil(sample_ratio * n)))
-    if m >= n:
-        sample, ks = x.abs(), k                        # exact: t = k-th largest |x|
-    else:
-        sample = ops.sample_abs(x, m, stream_key(seed, _SAMPLE_STEP))
-        ks = max(1, min(m, int(round(k * m / n))))
-    t = float(torch.topk(sample, ks, sorted=False).values.min())
-    total, state = ops.count(x, t)
-    if not (k / 2 <= total <= 2 * k) and m < n:
-        t, total = _refine(x, k, ops)
-        state = None
-    return ops.compact(x, t, total, state)
+    t, count = _threshold(x, k, exact, ops)
+    return ops.compact(x, t, int(read(count)[0]))  # the one read: the size of the result
 
 
-def _check_select(x, k, sample_ratio):
+def _check_select(x, k):
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
         raise ValueError(f"k must be an integer >= 0, got {k!r}")
-    if not (isinstance(sample_ratio, (int, float)) and sample_ratio > 0):
-        raise ValueError(f"sample_ratio must be > 0, got {sample_ratio!r}")
     if not x.is_floating_point():
         raise ValueError(f"select_threshold needs a floating point tensor, got {x.dtype}")
+    if x.numel() >= 2 ** 31:
+        raise ValueError("select_threshold: tensors of 2^31 elements or more are not supported (int32 indices)")
 
 
-def select_threshold_reference(x: torch.Tensor, k: int, sample_ratio: float = 0.01,
-                               seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-    _check_select(x, k, sample_ratio)
-    return _select(x.reshape(-1).to(torch.float32).contiguous(), int(k), sample_ratio, seed, _RefOps())
+def _ops_for(xf: torch.Tensor):
+    return _CudaOps() if _cuda(xf, dtypes=(torch.float32,)) else _RefOps()
 
 
-def select_threshold(x: torch.Tensor, k: int, sample_ratio: float = 0.01,
-                     seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+def threshold_for(x: torch.Tensor, k: int, exact: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(t, count): the threshold ``select_threshold`` uses (a 1-element float32 tensor) and how many
+    |x| >= t (0-d int64), both on x's device, without a host read (0 < k < numel). Read the counts of
+    several selections at once, then :func:`compact_ge` each."""
+    _check_select(x, k)
+    if not 0 < k < x.numel():
+        raise ValueError(f"threshold_for: need 0 < k < numel ({x.numel()}), got k={k}")
+    xf = x.reshape(-1).to(torch.float32).contiguous()
+    return _dispatch(lambda: _threshold(xf, int(k), exact, _ops_for(xf)), lambda: _threshold(xf, int(k), exact, _RefOps()))
+
+
+def compact_ge(x: torch.Tensor, t: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every i with |x[i]| >= t (``t``: a 1-element float32 tensor on x's device), ascending, as (int32
+    indices, float32 values); ``total``: how many there are (from :func:`threshold_for`)."""
+    xf = x.reshape(-1).to(torch.float32).contiguous()
+    t = t.reshape(1).to(torch.float32).contiguous()
+    return _dispatch(lambda: _ops_for(xf).compact(xf, t, int(total)), lambda: _RefOps().compact(xf, t, int(total)))
+
+
+def select_threshold_reference(x: torch.Tensor, k: int, exact: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    _check_select(x, k)
+    return _select(x.reshape(-1).to(torch.float32).contiguous(), int(k), exact, _RefOps())
+
+
+def select_threshold(x: torch.Tensor, k: int, exact: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """About k coordinates of largest |x|, as (indices int32 ascending, values float32 x[indices]).
 
-    1. m = max(1024, ceil(sample_ratio*n)) samples |x[hash(key, j) mod n]|, key = stream_key(seed,
-       0x5e1ec7); threshold t = the round(k*m/n)-th largest sample. sample_ratio >= 1 (or m >= n)
-       uses all of x: t = the exact k-th largest |x| and the result is the exact top-k (plus
-       ties at t).
-    2. count c = #{|x| >= t}; if c is outside [k/2, 2k]: one histogram pass over the float bits
-       of |x| (and a second, inside one bin, only when a single bin holds too many) sets t so
-       that c is within [k/2, 2k] unless ties of |x| make it impossible.
-    3. one compaction pass: all i with |x[i]| >= t (NaN never selected), ascending, written by
-       a block-level scan (no sort). k >= n returns everything; k == 0 nothing. n < 2^31.
+    1. threshold t on the device: with ``exact`` the k-th largest |x| (the result is the exact
+       top-k, plus ties at t); else from two histograms of |x|'s float bits (``_hist_threshold``):
+       the count is about k, within [k/2, 2k] unless ties of |x| make it impossible;
+    2. the count #{|x| >= t} is read -- the one host read, to size the result;
+    3. one compaction pass: all i with |x[i]| >= t (NaN never selected), ascending, written by a
+       block-level scan (no sort). k >= n returns everything; k == 0 nothing. n < 2^31.
     GPU and reference select exactly the same indices.
     """
-    _check_select(x, k, sample_ratio)
+    _check_select(x, k)
     xf = x.reshape(-1)
     if not _cuda(xf, dtypes=(torch.float32,)):
-        return select_threshold_reference(x, k, sample_ratio, seed)
-    return _select(xf.contiguous(), int(k), sample_ratio, seed, _CudaOps())
+        return select_threshold_reference(x, k, exact)
+    return _dispatch(lambda: _select(xf.contiguous(), int(k), exact, _CudaOps()),
+                     lambda: select_threshold_reference(x, k, exact))

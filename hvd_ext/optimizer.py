@@ -43,6 +43,7 @@ import torch
 from .compression import compression_from_spec, make_feedback
 from .compression.base import Compressor
 from .exchange import Exchange
+from .ops.device import nonfinite
 from .overlap import check_overlap, resolve_overlap
 from .pipeline import GradientPipeline
 from .sparse_grad import SparseExchange
@@ -195,8 +196,13 @@ def same_world(a: Optional[tuple], b: Optional[tuple]) -> bool:
 
 
 def _grads_finite(params) -> bool:
-    return all(p.grad is None or bool(torch.isfinite(p.grad.coalesce()._values() if p.grad.is_sparse
-                                                     else p.grad).all()) for p in params)
+    """Every gradient is finite (the local steps of a sync strategy): one read per device for them all."""
+    by_device: Dict[Any, list] = {}
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.coalesce()._values() if p.grad.is_sparse else p.grad
+            by_device.setdefault(g.device, []).append(g)
+    return not any(bool(nonfinite(gs)) for gs in by_device.values())
 
 
 class _LocalOnly:

@@ -16,6 +16,12 @@ starts as soon as its last gradient is ready -- during backward -- and the
 rest start at ``flush()``. With ``overlap`` (:mod:`hvd_ext.overlap`) the hook
 hands the bucket to a worker thread that compresses and starts it while
 backward goes on; ``finish`` waits for the worker first.
+
+On a GPU (``docs/gpu.md``) nothing here reads the device inside a hook: the non-finite test
+and every check stay on the device, and ``finish`` reads them once for the whole step
+(``ops.device.read_step``). A bucket whose codec or route must read a size from the device
+to start (a data-dependent payload) is started by ``flush()`` after backward -- or by the
+overlap worker, which may wait without holding backward up.
 """
 from __future__ import annotations
 
@@ -26,13 +32,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .compression._fast import any_nonfinite
 from .compression.base import Compressor, TensorInfo
 from .compression.none import NoneCompressor
 from .exchange import Exchange
 from .auto import AutoCompression, AutoTuner
 from .exchange.routes import OwnerMemory, Route, TensorRecord, choose_route, flat_record, make_route, split_flat
 from .feedback.base import Feedback, NoFeedback
+from .ops.device import Checks, deferred_checks, nonfinite as nonfinite_flag, on_host, read_step
 from .overlap import CodeWorker
 from .route_trial import RouteTrial
 
@@ -46,6 +52,7 @@ class _Bucket:
     comp: Compressor
     ready: set = field(default_factory=set)
     started: bool = False
+    deferred: bool = False  # complete, but left for flush(): starting it would read the device in a hook
     parts: Optional[List[TensorRecord]] = None  # the per-tensor records when the bucket went as one
 
 
@@ -120,6 +127,7 @@ class GradientPipeline:
         # hierarchy=auto on a multi-node job: flat against node-aware, measured (hvd_ext.route_trial)
         self.route_trial: Optional[RouteTrial] = RouteTrial.plan(self)
         self._step_code_s = 0.0
+        self._checks = Checks()  # device-side checks of the step in progress (read by finish)
         self.overlap = bool(overlap)
         self._worker: Optional[CodeWorker] = CodeWorker() if self.overlap else None
         if self._worker is not None:  # the thread ends with the pipeline (close() ends it sooner)
@@ -182,7 +190,7 @@ class GradientPipeline:
                                  "backward_passes_per_step")
         b.ready.add(id(p))
         if len(b.ready) == len(b.params):
-            self._launch(b)
+            self._launch(b, in_hook=True)
 
     def flush(self) -> None:
         """Start every bucket not started yet (parameters without gradients send zeros)."""
@@ -190,10 +198,19 @@ class GradientPipeline:
             if not b.started:
                 self._launch(b)
 
+    def _reads_to_start(self, b: _Bucket) -> bool:
+        """Starting ``b`` reads from the device (a GPU bucket whose codec or route needs a size)."""
+        return not on_host(b.params[0]) and (b.comp.reads_device or b.route.reads_on_start)
+
     # ---- launch and finish -------------------------------------------------------------------
-    def _launch(self, b: _Bucket) -> None:
-        """Compress bucket ``b`` and start its first collective: here, or on the worker thread."""
+    def _launch(self, b: _Bucket, in_hook: bool = False) -> None:
+        """Compress bucket ``b`` and start its first collective: here, on the worker thread, or -- when
+        that would read the device inside a backward hook -- at ``flush()``."""
+        if in_hook and self._worker is None and self._reads_to_start(b):
+            b.deferred = True
+            return
         b.started = True
+        b.deferred = False
         if self._worker is None:
             self._start(b)
             return
@@ -209,6 +226,10 @@ class GradientPipeline:
             self._worker.submit(lambda: self._start(b))
 
     def _start(self, b: _Bucket) -> None:
+        with deferred_checks(self._checks):
+            self._start_checked(b)
+
+    def _start_checked(self, b: _Bucket) -> None:
         t0 = time.perf_counter()
         comp, fb = b.comp, self.feedback
         scale = self.exchange.scale()
@@ -229,15 +250,11 @@ class GradientPipeline:
             if local_flag:
                 flags.append(u)
             records.append(TensorRecord(name, p, info, u))
-        nonfinite = any_nonfinite(flags)
+        nonfinite = nonfinite_flag(flags, b.params[0].device)
         flat = flat_record(comp, b.route.name, records, f"\x00bucket{b.index}")  # one payload per bucket?
         b.parts = records if flat is not None else None
         if flat is not None:
             records = [flat]
-        # Optional hook: budgets spanning the tensors of a bucket (topk scope=model, sig, qdist budget).
-        prepare = getattr(comp, "prepare_bucket", None)
-        if prepare is not None:
-            prepare([(r.u, r.info) for r in records])
         b.route.start(records, nonfinite)
         dt = time.perf_counter() - t0
         self.compress_s += dt
@@ -247,7 +264,12 @@ class GradientPipeline:
         """Wait for every bucket, write the averaged gradients into ``p.grad``.
 
         Returns True when some rank had a non-finite gradient (same answer on
-        every rank); the feedback and owner memories are then left as they were."""
+        every rank); the feedback and owner memories are then left as they were. The step's
+        flags and device-side checks are read here, once."""
+        with deferred_checks(self._checks):
+            return self._finish()
+
+    def _finish(self) -> bool:
         t_start = time.perf_counter()
         self.flush()
         if self._worker is not None:
@@ -258,13 +280,13 @@ class GradientPipeline:
                 raise
         for b in self.buckets:  # second phases start before any bucket is waited for
             b.route.progress()
-        nonfinite = False
+        flags = []
         comp, fb = self.compressor, self.feedback
         use_fb = not isinstance(fb, NoFeedback)
         for b in self.buckets:
             code0 = b.route.code_s
             results, supports, nf = b.route.finish()
-            nonfinite = nonfinite or nf
+            flags.append(nf)
             t0 = time.perf_counter()
             # A lossless codec under a shared memory (auto choosing none, fp16 or bf16) sent all of u (up to
             # rounding, which plain fp16/bf16 drop too): memory cleared, no per-step residual to keep.
@@ -298,6 +320,11 @@ class GradientPipeline:
             b.ready.clear()
             b.route.records = []
             b.parts = None
+        try:
+            nonfinite = read_step(flags, self._checks)  # the step's one read
+        except BaseException:
+            self._drop_step()
+            raise
         if nonfinite:
             fb.discard()
             comp.discard()
@@ -321,6 +348,12 @@ class GradientPipeline:
         self._step_code_s = 0.0
         return nonfinite
 
+    def _drop_step(self) -> None:
+        """A check failed (a corrupt payload, ranks that disagree): nothing of this step is kept."""
+        for part in (self.feedback, self.compressor, self.owner_memory, self.auto):
+            if part is not None:
+                part.discard()
+
     def reset(self) -> None:
         """Forget a step in progress (``load_state_dict``)."""
         if self._worker is not None:
@@ -330,9 +363,11 @@ class GradientPipeline:
                 pass
         for b in self.buckets:
             b.started = False
+            b.deferred = False
             b.ready.clear()
             b.route.records = []
             b.parts = None
+        self._checks.take()
         self._step_code_s = 0.0
 
     def close(self) -> None:

@@ -47,8 +47,10 @@ fi
 VPY="$VENV/bin/python"
 PIP=("$VPY" -m pip install -q)
 
-# A GPU node: a visible NVIDIA device. Its CUDA major version picks the CuPy wheel;
-# NCCL (system library or HOROVOD_NCCL_HOME) lets Horovod run its collectives on the GPU.
+# A GPU node: a visible NVIDIA device. The CUDA major version picks the CuPy wheel (a wheel of
+# another major version cannot load): torch's CUDA build when torch is one (read after torch is
+# installed, below), else the driver's (nvidia-smi), else 12. NCCL (system library or
+# HOROVOD_NCCL_HOME) lets Horovod run its collectives on the GPU.
 have_cuda=0; cuda_major=12; have_nccl=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   have_cuda=1
@@ -56,7 +58,12 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   [ -n "$v" ] && cuda_major="$v"
   if [ -n "${HOROVOD_NCCL_HOME:-}" ] || ldconfig -p 2>/dev/null | grep -q libnccl; then have_nccl=1; fi
 fi
-case "$cuda_major" in 11) CUPY=cupy-cuda11x;; 13) CUPY=cupy-cuda13x;; *) CUPY=cupy-cuda12x;; esac
+if [ -x "$VPY" ]; then
+  v=$("$VPY" -c 'import torch; print((torch.version.cuda or "").split(".")[0])' 2>/dev/null || true)
+  [ -n "$v" ] && cuda_major="$v"
+fi
+cupy_for() { case "$1" in 11) echo cupy-cuda11x;; 13) echo cupy-cuda13x;; *) echo cupy-cuda12x;; esac; }
+CUPY=$(cupy_for "$cuda_major")
 
 STEP="python packages (torch, numpy, mpi4py, pytest, mnist1d, tqdm, matplotlib, cupy)"
 if ! "$VPY" - <<PYEOF >/dev/null 2>&1
@@ -72,7 +79,10 @@ then
   "${PIP[@]}" --upgrade pip setuptools wheel
   "${PIP[@]}" "torch==$TORCH_VERSION"
   "${PIP[@]}" numpy mpi4py pytest pytest-timeout hypothesis mnist1d tqdm matplotlib psutil cloudpickle packaging pyyaml
-  # CuPy: the wheel imports without a GPU; kernels fall back to torch where there is no device.
+  # CuPy for the CUDA major version torch was built for (now that torch is here); it imports without
+  # a GPU, and without a usable CuPy the kernels' torch code runs (one warning).
+  v=$("$VPY" -c 'import torch; print((torch.version.cuda or "").split(".")[0])' 2>/dev/null || true)
+  [ -n "$v" ] && CUPY=$(cupy_for "$v")
   "${PIP[@]}" "$CUPY" || log "warning: $CUPY could not be installed; GPU kernels disabled (torch fallback)"
 else
   log "python packages present"

@@ -79,3 +79,80 @@ def launch(script, *args, np=2, launcher="gloo", timeout=180, expect=None):
 @pytest.fixture
 def run_ranks():
     return launch
+
+
+# ---- devices the CUDA kernels run on: a real GPU, and the CPU execution of the same sources -------
+
+def _kernel_devices():
+    """``cuda`` when torch sees a GPU and CuPy imports; ``cpu-harness`` always (skipped without g++)."""
+    out = []
+    import torch
+    if torch.cuda.is_available():
+        try:
+            import cupy  # noqa: F401
+            out.append("cuda")
+        except Exception:
+            pass
+    out.append("cpu-harness")
+    return out
+
+
+KERNEL_DEVICES = _kernel_devices()
+HARNESS_VARIANT = os.environ.get("HVD_CUDA_CPU_VARIANT", "plain")
+HARNESS_CAP = int(os.environ.get("HVD_CUDA_CPU_CAP", "60000"))  # largest n a harness test takes
+
+
+@pytest.fixture(scope="session")
+def cuda_cpu_lib():
+    """The CPU build of kernels/*.cu (``HVD_CUDA_CPU_VARIANT``: plain, asan or tsan; a sanitizer build
+    needs its runtime preloaded, see tests/cuda_cpu/harness.py)."""
+    from cuda_cpu import harness
+    why = harness.available()
+    if why is not None:
+        pytest.skip(f"CPU execution of the CUDA kernels not run: {why}")
+    return harness.build(HARNESS_VARIANT)
+
+
+class KernelDevice:
+    """Where a kernel test runs: ``put`` a CPU tensor there, ``get`` it back; ``n`` scales the sizes
+    the CPU harness would take minutes on (one OS thread per CUDA thread) down to its ``cap``."""
+
+    def __init__(self, name: str, cap: int = 0):
+        self.name = name
+        self.cap = cap
+
+    def put(self, t):
+        if self.name == "cuda":
+            return t.cuda()
+        from hvd_ext.testing.device import to_device
+        return to_device(t)
+
+    def get(self, t):
+        if self.name == "cuda":
+            return t.cpu()
+        from hvd_ext.testing.device import to_host
+        return to_host(t)
+
+    def n(self, n: int) -> int:
+        return n if not self.cap else min(n, self.cap)
+
+
+@pytest.fixture(params=KERNEL_DEVICES)
+def kdev(request):
+    """Each kernel test once per device: a real GPU (skipped without one), and the CPU harness --
+    the kernels of kernels/*.cu executed on CPU threads under an emulated GPU
+    (hvd_ext.testing.device), launched by hvd_ext.kernels' own host code."""
+    from hvd_ext import kernels as K
+    K.use_reference(False)
+    if request.param == "cuda":
+        yield KernelDevice("cuda")
+        return
+    from cuda_cpu.harness import CpuRuntime
+    from hvd_ext.testing.device import EmulatedDevice
+    lib = request.getfixturevalue("cuda_cpu_lib")
+    prev = K.use_runtime(CpuRuntime(lib))
+    try:
+        with EmulatedDevice():
+            yield KernelDevice("cpu-harness", cap=HARNESS_CAP)
+    finally:
+        K.use_runtime(prev)

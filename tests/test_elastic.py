@@ -89,9 +89,9 @@ def test_elastic_remove_and_readd_worker(tmp_path):
         assert t["routes"] == (["sparse_rs"] if e["size"] == 2 else ["allgather"])
         assert all(o["pipeline_step"] == e["step"] for k, o in e["opts"].items() if k != "local")
         assert all(s["steps"] == e["step"] for s in e["syncs"].values())
-    # At size 1: the owner-side memory of the sparse reduce-scatter was dropped, the worker
-    # residual (error feedback) came through the reset
-    assert before[1]["opts"]["topk"]["residual"] > 0 and before[1]["opts"]["topk"]["owner_entries"] == 1
+    # At size 1: the owner-side memory of the sparse reduce-scatter (its residual and owner ranges)
+    # was dropped, the worker residual (error feedback) came through the reset
+    assert before[1]["opts"]["topk"]["residual"] > 0 and before[1]["opts"]["topk"]["owner_entries"] >= 1
     assert after[1]["opts"]["topk"]["owner_entries"] == 0
     assert before[2]["opts"]["topk"]["residual"] > 0 and before[2]["opts"]["powersgd"]["residual"] > 0
 

@@ -50,7 +50,7 @@ def test_simulated_world_collectives(size):
         assert torch.allclose(x, torch.full((3,), (size - 1) / 2))
         assert objs == [{"r": r} for r in range(size)]
         assert got == [[r, rank] for r in range(size)]  # piece j of rank r arrives at rank j
-        assert nf is False and s == size * (size + 1) / 2
+        assert not bool(nf) and s == size * (size + 1) / 2
 
 
 def test_simulated_world_mismatched_collective_times_out():

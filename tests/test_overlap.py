@@ -106,3 +106,34 @@ def test_worker_drain_waits_for_every_job_in_order():
     w.drain()
     assert out == list(range(50)) and not w.busy
     w.close()
+
+
+def test_worker_issues_gpu_work_on_the_gradients_stream():
+    """On a GPU the worker runs a bucket inside ``torch.cuda.stream(s)`` of the stream that was current
+    where the bucket completed (the one backward produced its gradients on), so its kernels queue
+    behind those gradients; nothing of it runs on the hooks' thread."""
+    import contextlib
+    from hvd_ext import kernels
+    from hvd_ext.testing.device import EmulatedDevice, SyncCounter, to_device
+    entered = []
+    marker = object()
+    kernels.use_reference(True)  # no kernels on the emulated GPU: their torch code
+    with EmulatedDevice():  # the torch.cuda stand-ins stay installed while the ranks' threads run
+        standins = (torch.cuda.current_stream, torch.cuda.stream)
+
+        @contextlib.contextmanager
+        def stream(s):  # (the worker's thread also needs the emulation: torch keeps function modes per thread)
+            entered.append((s, threading.current_thread().name))
+            with EmulatedDevice(SyncCounter()):
+                yield
+        torch.cuda.current_stream, torch.cuda.stream = (lambda device=None: marker), stream
+        try:
+            grads = [[{n: to_device(t) for n, t in per.items()} for per in step] for step in make_grads(2, 2)]
+            runs = run_pipeline("qsgd:bits=8", grads, 2, overlap=True,
+                                rank_context=lambda r: EmulatedDevice(SyncCounter()))
+        finally:
+            torch.cuda.current_stream, torch.cuda.stream = standins
+            kernels.use_reference(False)
+    assert entered and all(s is marker for s, _ in entered)
+    assert all(name.startswith("hvd_ext-code") for _, name in entered)
+    assert len(entered) == 2 * 2 * len(runs[0].pipeline.buckets)  # every bucket, rank and step

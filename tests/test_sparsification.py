@@ -97,7 +97,7 @@ def test_pack_roundtrip_and_exact_bytes(n, k, vd, fmt):
     g = torch.Generator().manual_seed(n + k)
     idx = torch.randperm(n, generator=g)[:k].sort().values
     if k > 2:  # chunk boundaries and the last coordinate
-        idx = torch.unique(torch.cat([idx[:-3], torch.tensor([CHUNK - 1, min(CHUNK, n - 1), n - 1])]))
+        idx = torch.unique(torch.cat([idx[:-3], torch.tensor([min(CHUNK - 1, n - 1), min(CHUNK, n - 1), n - 1])]))
         k = idx.numel()
     vals = torch.randn(k, generator=g)
     data = pack(idx, vals, n, vd)
@@ -525,3 +525,35 @@ def test_two_ranks_agree_bit_for_bit(run_ranks):
     # about 2% nonzero after averaging two 1% selections
     assert max(res[0]["specs"]["topk:ratio=0.01,scope=layer"]["nonzero"]) <= 2 * sum(
         count_for(0.01, n) for n in (40 * 2000, 2000, 2000 * 3, 3))
+
+
+@pytest.mark.parametrize("n,k,fmt", [(1000, 10, "u16"), (1 << 20, 10, "i32"), (3 * CHUNK - 100, 40, "chunk")])
+def test_unpack_refuses_indices_outside_the_tensor(n, k, fmt):
+    """A corrupt payload must not index outside the tensor: every format's indices are checked
+    (on a device with the step's checks, the writes kept in range meanwhile)."""
+    from hvd_ext.ops.device import Checks, deferred_checks, read_step
+    from hvd_ext.testing.device import EmulatedDevice, to_device
+    idx = torch.arange(k) * (n // k)
+    data = pack(idx, torch.ones(k), n)
+    assert index_format(n, k) == fmt
+    assert torch.equal(unpack(data, n)[0], idx)
+    bad = data.clone()  # the last index made n + 5 (i32), or 0xFFFF in the last chunk (16-bit formats)
+    if fmt == "i32":
+        bad[-4:] = torch.tensor([n + 5], dtype=torch.int32).view(torch.uint8)
+    else:
+        bad[-2:] = 0xFF
+    with pytest.raises(ValueError, match="outside"):
+        unpack(bad, n)
+    with EmulatedDevice():
+        checks = Checks()
+        with deferred_checks(checks):
+            i2, _ = unpack(to_device(bad), n)
+        assert int(i2.max()) < n  # kept in range until the step reads its checks
+        with pytest.raises(ValueError, match="outside"):
+            read_step([], checks)
+
+
+def test_unpack_refuses_a_size_that_holds_no_payload():
+    data = pack(torch.arange(10), torch.ones(10), 1000)
+    with pytest.raises(ValueError, match="does not hold"):
+        unpack(data[:-1], 1000)

@@ -143,11 +143,12 @@ def _i32(v: int) -> int:
     return v - (1 << 32) if v >= (1 << 31) else v
 
 
-def stream_key_tensor(seed: int, name: str, rank: int, step: int, device=None) -> torch.Tensor:
+def stream_key_tensor(seed: int, name: str, rank: int, step: int) -> torch.Tensor:
     """0-d int32 key of the stream of (seed, name, rank, step): ``kernels.stream_key(derive_seed(...), step)``,
-    as the CUDA quantizers use."""
+    as the CUDA quantizers use. A CPU scalar tensor: usable with tensors on any device, nothing to copy
+    (and compiled kernels take it as an input, not as a constant to specialise on)."""
     key = _K.stream_key(_K.derive_seed(seed, name, rank), step)
-    return torch.tensor(_i32(key), dtype=torch.int32, device=device)
+    return torch.tensor(_i32(key), dtype=torch.int32)
 
 
 def hash32(i: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

@@ -19,31 +19,32 @@ The format is a function of (n, k) only, so the exact byte count is
 ``payload_bytes(n, k, value_bytes)``. Values come before indices so the fp32
 values are 4-byte aligned; the exchange pads every payload to 4 bytes.
 
-GPU kernels (``hvd_ext.kernels``; the torch code here runs on CPU, or when
-``HVD_EXT_KERNELS=reference`` / ``kernels.use_reference(True)``):
-
-* ``aggregate`` always goes through ``kernels.sparse_scatter_add`` (one launch
-  for all ranks on CUDA; its torch path is the same ``index_add_`` per rank);
-* ``mode=sampled`` selection on a CUDA float32 score uses
-  ``kernels.select_threshold`` (sampled threshold, histogram refinement and a
-  block-scan compaction: no sort, no top-k of the tensor), seeded by
-  ``derive_seed(seed, name, rank) ^ step``, then trimmed to the exact top-k of
-  the selected when it holds more than 1.3k, so the [k/2, 1.3k] count of the
-  torch path holds on both. The torch path draws its sample with a
-  ``torch.Generator``, the kernel with a counter hash: CPU and GPU select by
-  the same rule but not the same sample.
+On a device (``docs/gpu.md``): a bucket's selections are planned together
+(``prepare_bucket``) and every data-dependent size among them is read in one
+read: exact top-k is ``torch.topk`` (k entries, nothing to read); ``mode=sampled``
+takes its threshold from ``kernels.threshold_for`` (two histograms of |x|'s
+float bits on the device -- about k entries, not a random sample as on the
+host) and ``threshold`` from tau; their counts per tensor are read together,
+then ``kernels.compact_ge`` writes the entries. ``aggregate`` is
+``kernels.sparse_scatter_add`` (one launch for all ranks on CUDA). Payload
+headers and indices from other ranks are checked on the device (an index
+outside the tensor raises with the step's checks and is never written).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .. import kernels as _K
+from ..ops.device import expect, on_host, read, upload
 from . import _fast
-from .base import Compressor, from_bytes
+from .base import Compressor, TensorInfo, from_bytes
 
 CHUNK = 1 << 16
 FP16_MAX = 65504.0
@@ -78,6 +79,15 @@ def payload_bytes(n: int, k: int, value_bytes: int) -> int:
     return 4 + index_bytes(n, k) + k * value_bytes
 
 
+def _chunk_counts(idx: torch.Tensor, nchunks: int) -> torch.Tensor:
+    """int32 entries per 65536-chunk of ascending indices (``bincount`` reads its size on a device)."""
+    hi = idx >> 16
+    if on_host(idx):
+        return torch.bincount(hi, minlength=nchunks).to(torch.int32)
+    return torch.zeros(nchunks, dtype=torch.int32, device=idx.device).scatter_add_(
+        0, hi, torch.ones_like(hi, dtype=torch.int32))
+
+
 def pack(idx: torch.Tensor, vals: torch.Tensor, n: int, vdtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``idx``: ascending int64 indices (unique); ``vals``: their float values."""
     k = int(idx.numel())
@@ -87,11 +97,9 @@ def pack(idx: torch.Tensor, vals: torch.Tensor, n: int, vdtype: torch.dtype = to
         vals = vals.float().clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
     else:
         vals = vals.to(torch.float32)
-    parts = [torch.tensor([k], dtype=torch.int32).view(torch.uint8).to(dev)]
+    parts = [upload([k], torch.int32, dev).view(torch.uint8)]
     if fmt == "chunk":
-        nchunks = -(-n // CHUNK)
-        counts = torch.bincount(idx >> 16, minlength=nchunks).to(torch.int32)
-        parts.append(counts.view(torch.uint8))
+        parts.append(_chunk_counts(idx, -(-n // CHUNK)).view(torch.uint8))
     parts.append(vals.contiguous().view(torch.uint8))
     if fmt == "i32":
         parts.append(idx.to(torch.int32).view(torch.uint8))
@@ -103,15 +111,28 @@ def pack(idx: torch.Tensor, vals: torch.Tensor, n: int, vdtype: torch.dtype = to
     return torch.cat([p.reshape(-1) for p in parts])
 
 
+def count_in(nbytes: int, n: int, vbytes: int) -> Optional[int]:
+    """k such that ``payload_bytes(n, k, vbytes) == nbytes`` (the size of a payload says how many
+    entries it holds), or None when no k gives that size."""
+    for per, fixed in ((2 + vbytes, 4), (4 + vbytes, 4), (2 + vbytes, 4 + 4 * -(-n // CHUNK))):
+        k, rem = divmod(nbytes - fixed, per)
+        if rem == 0 and 0 <= k <= n and payload_bytes(n, k, vbytes) == nbytes:
+            return k
+    return None
+
+
 def unpack(data: torch.Tensor, n: int, vdtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack`: (int64 indices, float32 values). Raises ValueError on a bad payload."""
-    if data.numel() < 4:
-        raise ValueError(f"sparse payload of {data.numel()} bytes is shorter than its 4-byte header")
-    k = int(from_bytes(data, 0, torch.int32, 1)[0].item())
+    """Inverse of :func:`pack`: (int64 indices, float32 values). Raises ValueError on a bad payload: at
+    once for a size that holds no whole payload; for a header or indices that do not match it (an
+    index outside [0, n), chunk counts that do not add up) when the step reads its checks on a device
+    -- the indices are kept in range meanwhile. The size says k: nothing is read from the device."""
     vbytes = vdtype.itemsize
-    if not 0 <= k <= n or data.numel() != payload_bytes(n, k, vbytes):
-        raise ValueError(f"sparse payload of {data.numel()} bytes does not hold k={k} of n={n} coordinates "
-                         f"({'-' if not 0 <= k <= n else payload_bytes(n, k, vbytes)} bytes expected)")
+    k = count_in(int(data.numel()), n, vbytes)
+    if k is None:
+        raise ValueError(f"sparse payload of {data.numel()} bytes does not hold entries of a tensor of n={n} "
+                         f"({4 + 2 * vbytes}.. bytes per entry after a 4-byte header)")
+    expect(from_bytes(data, 0, torch.int32, 1)[0][0] == k,
+           f"sparse payload: its header disagrees with its size ({data.numel()} bytes, k={k} of n={n})")
     fmt = index_format(n, k)
     off = 4
     counts = None
@@ -126,10 +147,15 @@ def unpack(data: torch.Tensor, n: int, vdtype: torch.dtype = torch.float32) -> T
         idx = low.long() & 0xFFFF
         if counts is not None:
             counts = counts.long()
-            if int(counts.sum().item()) != k:
-                raise ValueError("sparse payload: chunk counts do not add up to k")
-            hi = torch.repeat_interleave(torch.arange(counts.numel(), device=data.device), counts)
+            expect(counts.sum() == k, "sparse payload: chunk counts do not add up to k")
+            hi = torch.repeat_interleave(torch.arange(counts.numel(), device=data.device), counts.clamp(min=0),
+                                         output_size=k)
             idx = idx + (hi << 16)
+    if k:
+        ok = (idx >= 0) & (idx < n)
+        expect(ok.all(), f"sparse payload: an index outside [0, {n}) (a corrupt payload?)")
+        if not on_host(idx):  # read with the step's checks: keep every use in range meanwhile
+            idx = torch.where(ok, idx, 0)
     return idx, vals.float()
 
 
@@ -203,12 +229,15 @@ def topk_indices(score: torch.Tensor, k: int) -> torch.Tensor:
 
     Deterministic: among equal scores at the threshold the lowest indices win,
     so the result equals sorting by (score descending, index ascending).
-    Large CPU scores go through :func:`_topk_by_candidates` (same result)."""
+    Large CPU scores go through :func:`_topk_by_candidates` (same result). On a device: ``torch.topk``
+    and a sort, no read (ties at the threshold are then torch's choice)."""
     n = score.numel()
     if k >= n:
         return torch.arange(n, device=score.device)
     if k <= 0:
         return torch.empty(0, dtype=torch.long, device=score.device)
+    if not on_host(score):
+        return torch.topk(score, k, sorted=False).indices.sort().values
     if n >= _CANDIDATES_MIN and 8 * k <= n and score.device.type == "cpu":
         idx = _topk_by_candidates(score, k)
         if idx is not None:
@@ -341,19 +370,53 @@ def split_budget(total: int, weights: Sequence[float], sizes: Sequence[int]) -> 
     return alloc
 
 
+# ---- what a bucket selects, selected on the host or on a device ------------------------------------
+
+@dataclass
+class Selection:
+    """One selection of a bucket: about ``k`` coordinates of ``score`` -- the concatenation of the
+    tensors of ``infos`` (``sizes`` elements each) -- split back per tensor. ``how``: ``"exact"``
+    top-k, ``"sampled"`` (a threshold from a sample of the score on the host, from a histogram on a
+    device) or ``"above"`` (score > ``tau``; k unused). ``stream``: the name of the host sample's
+    random stream."""
+
+    infos: List[TensorInfo]
+    sizes: List[int]
+    score: torch.Tensor
+    k: int
+    how: str
+    tau: float = 0.0
+    sample: float = 0.01
+    stream: str = ""
+
+
+def _bounds(sizes: Sequence[int]) -> List[int]:
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + int(n))
+    return out
+
+
+def _cuts_from_counts(counts: Sequence[int]) -> List[int]:
+    return _bounds(counts)
+
+
 # ---- the compressor base ----------------------------------------------------------------------
 
 class SparseCompressor(Compressor):
-    """Base of the index+value sparsifiers: subclasses implement :meth:`select`.
+    """Base of the index+value sparsifiers: subclasses say what to select (:meth:`selections`).
 
-    ``prepare_bucket`` (called by the pipeline with every (u, info) of a bucket
-    before any ``compress``) may plan per-tensor selections for budgets that
-    span layers; ``compress`` uses a planned selection when there is one."""
+    ``prepare_bucket`` (called by the pipeline with every (u, info) of a bucket before any
+    ``compress``) selects for the whole bucket at once -- budgets that span layers, and on a device
+    a single host read for every data-dependent size of the bucket (``docs/gpu.md``); ``compress``
+    uses the planned selection. Without a plan ``compress`` selects for its own tensor."""
 
     exchange = "allgather"
     default_feedback = "residual"
     fixed_size = False
     sparse = True
+    # the selection of a flat bucket record is made per tensor (its segments), not over the record
+    per_segment = False
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -367,9 +430,18 @@ class SparseCompressor(Compressor):
     def value_bytes(self) -> int:
         return 2 if self.value_dtype == torch.float16 else 4
 
-    def select(self, flat: torch.Tensor, info) -> torch.Tensor:
-        """Ascending int64 indices of the coordinates of ``flat`` (float32) to send."""
+    def selections(self, items, whole=None) -> Iterator[Selection]:
+        """What to select for ``items`` ([(u, info)] of one bucket, or one tensor), one selection at a
+        time: the host resolves each before the next is made (scores may share a reused buffer).
+        ``whole``: the flat record whose segments ``items`` are -- a selection over all of them may be
+        made for it directly (no split by tensor to read back)."""
         raise NotImplementedError
+
+    @property
+    def reads_device(self) -> bool:
+        """A selection whose size depends on the data (sampled, above a threshold, a budget split by
+        the data) reads that size from the device once per bucket."""
+        return getattr(self, "mode", "exact") == "sampled"
 
     # Whether the codec selects over a whole bucket (topk scope=model; sig, which budgets per tensor
     # from the flat record's segments); see ``bucket_flat``.
@@ -385,20 +457,126 @@ class SparseCompressor(Compressor):
     def _gen(self, info, name: Optional[str] = None) -> torch.Generator:
         return generator(getattr(self, "seed", 0), info.step, name or info.name, info.rank)
 
-    def _sampled(self, score: torch.Tensor, k: int, info, name: Optional[str] = None,
-                 sample: Optional[float] = None) -> torch.Tensor:
-        """``mode=sampled`` selection: :func:`sampled_indices` (torch), or ``kernels.select_threshold``
-        when the kernels run for ``score`` (a CUDA float32 tensor, CuPy present, not forced off)."""
-        sample = getattr(self, "sample", 0.01) if sample is None else sample
-        n = score.numel()
-        if (0 < k < n < 2 ** 31 and score.dtype == torch.float32 and _K.backend(score) == "cuda"):
-            seed = _K.derive_seed(getattr(self, "seed", 0), name or info.name, info.rank) ^ (int(info.step) & 0xFFFFFFFF)
-            idx, _ = _K.select_threshold(score, k, sample_ratio=sample, seed=seed)
-            cand = idx.long()
-            if cand.numel() > SAMPLED_HIGH * k:      # the kernel allows 2k; keep the torch path's bound
-                cand = cand[topk_indices(score.reshape(-1)[cand], k)]
-            return cand
-        return sampled_indices(score, k, self._gen(info, name), sample)
+    def _one(self, score: torch.Tensor, info, k: int, how: Optional[str] = None, tau: float = 0.0) -> Selection:
+        return Selection([info], [score.numel()], score, k, how or getattr(self, "mode", "exact"), tau=tau,
+                         sample=getattr(self, "sample", 0.01))
+
+    def _over(self, items, scores, k: int, how: Optional[str] = None) -> Selection:
+        """One selection over the concatenated scores of ``items`` (``scores``: one per item, or their
+        concatenation and sizes as :func:`bucket_abs` returns)."""
+        if isinstance(scores, tuple):
+            cat, sizes = scores
+        else:
+            sizes = [sc.numel() for sc in scores]
+            cat = scores[0] if len(scores) == 1 else torch.cat(scores) if scores else torch.empty(0)
+        info0 = items[0][1]
+        return Selection([info for _, info in items], sizes, cat, k, how or getattr(self, "mode", "exact"),
+                         sample=getattr(self, "sample", 0.01), stream="bucket:" + info0.name)
+
+    def select(self, flat: torch.Tensor, info) -> torch.Tensor:
+        """Ascending int64 indices of the coordinates of ``flat`` (float32) to send (no bucket plan)."""
+        self._resolve(self.selections([(flat, info)]))
+        return self._plan.pop((info.name, info.step))
+
+    def prepare_bucket(self, items):
+        """Plan the selections of a bucket (one host read on a device when sizes depend on the data)."""
+        self._plan = {}
+        if not items:
+            return
+        if self.per_segment and len(items) == 1 and items[0][1].segments:
+            self._plan_flat(*items[0])
+            return
+        self._resolve(self.selections(items))
+
+    def _plan_flat(self, u, info):
+        """A flat bucket record: select per tensor (its ``info.segments``), then join the selections
+        into indices of the flat tensor."""
+        flat = u.reshape(-1)
+        subs, off = [], 0
+        for name, n, param in info.segments:
+            subs.append((flat[off:off + n], replace(info, name=name, shape=torch.Size([n]), param=param,
+                                                   segments=None, base_name=None)))
+            off += n
+        self._resolve(self.selections(subs, whole=info))
+        if (info.name, info.step) in self._plan:  # selected over the record as a whole
+            return
+        parts, off = [], 0
+        for su, si in subs:
+            parts.append(self._plan.pop((si.name, si.step)) + off)
+            off += su.numel()
+        self._plan[(info.name, info.step)] = torch.cat(parts) if parts else \
+            torch.empty(0, dtype=torch.long, device=flat.device)
+
+    def _resolve(self, sels: Iterator[Selection]) -> None:
+        first = next(sels, None)
+        if first is None:
+            return
+        if on_host(first.score):
+            self._resolve_host(itertools.chain([first], sels))
+        else:
+            self._resolve_device([first] + list(sels))
+
+    def _resolve_host(self, sels: Iterator[Selection]) -> None:
+        for s in sels:
+            if s.how == "above":
+                idx = indices_where(s.score, s.tau, strict=True)
+            elif s.how == "sampled":
+                idx = sampled_indices(s.score, s.k, self._gen(s.infos[0], s.stream or None), s.sample)
+            else:
+                idx = topk_indices(s.score, s.k)
+            bounds = _bounds(s.sizes)
+            if len(s.infos) == 1:
+                cuts = [0, idx.numel()]
+            else:  # one search for every tensor boundary (idx is ascending)
+                cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype)).tolist() if idx.numel() \
+                    else [0] * len(bounds)
+            self._store(s, idx, cuts, bounds)
+
+    def _resolve_device(self, sels: List[Selection]) -> None:
+        """Every selection's data-dependent sizes in one read: exact top-k has k entries (split by one
+        search per tensor boundary), a threshold's count per tensor comes from its mask."""
+        staged, reads = [], []
+        for s in sels:
+            n = s.score.numel()
+            bounds = _bounds(s.sizes)
+            exact = s.how == "exact" or (s.how == "sampled" and not 0 < s.k < n)
+            if exact:
+                idx = topk_indices(s.score, s.k)
+                staged.append((s, "idx", idx, bounds))
+                if len(s.infos) > 1:
+                    reads.append(torch.searchsorted(idx, upload(bounds, idx.dtype, idx.device)))
+                continue
+            if s.how == "above":
+                t = torch.full((1,), float(np.nextafter(np.float32(s.tau), np.float32(np.inf))),
+                               dtype=torch.float32, device=s.score.device)
+            else:
+                t, _ = _K.threshold_for(s.score, s.k)
+            mask = s.score >= t
+            staged.append((s, "mask", t, bounds))
+            if len(s.infos) > 1:
+                before = torch.cat([mask.new_zeros(1, dtype=torch.int64), torch.cumsum(mask, 0)])
+                b = upload(bounds, torch.int64, mask.device)
+                reads.append(before.index_select(0, b[1:]) - before.index_select(0, b[:-1]))
+            else:
+                reads.append(mask.sum().reshape(1))
+        got = read(torch.cat(reads)) if reads else []
+        pos = 0
+        for s, kind, x, bounds in staged:
+            m = len(s.infos)
+            if kind == "idx":
+                if m == 1:
+                    cuts = [0, x.numel()]
+                else:
+                    cuts, pos = got[pos:pos + m + 1], pos + m + 1
+                self._store(s, x, cuts, bounds)
+                continue
+            counts, pos = got[pos:pos + m], pos + m
+            idx, _ = _K.compact_ge(s.score, x, sum(counts))
+            self._store(s, idx.long(), _cuts_from_counts(counts), bounds)
+
+    def _store(self, s: Selection, idx: torch.Tensor, cuts: Sequence[int], bounds: Sequence[int]) -> None:
+        for j, info in enumerate(s.infos):
+            self._plan[(info.name, info.step)] = idx[cuts[j]:cuts[j + 1]] - bounds[j]
 
     def compress(self, tensor, info):
         flat = tensor.reshape(-1)
@@ -455,26 +633,3 @@ class SparseCompressor(Compressor):
 
     def local_contribution(self, payload, ctx, info, result):
         return self.decode(payload, ctx, info)
-
-    # ---- budgets spanning the layers of a bucket --------------------------------------------
-    def _plan_global(self, items, scores, total_k: int, mode: str, sample: float) -> None:
-        """One selection over the concatenated scores of a bucket, split back per tensor. ``scores``:
-        one score per tensor, or (their concatenation, sizes) as :func:`bucket_abs` returns."""
-        if isinstance(scores, tuple):
-            cat, sizes = scores
-        else:
-            sizes = [s.numel() for s in scores]
-            cat = scores[0] if len(scores) == 1 else torch.cat(scores) if scores else torch.empty(0)
-        if mode == "sampled":
-            info0 = items[0][1]
-            sel = self._sampled(cat, total_k, info0, "bucket:" + info0.name, sample)
-        else:
-            sel = topk_indices(cat, total_k)
-        starts = [0]
-        for n in sizes:
-            starts.append(starts[-1] + n)
-        # one search for every tensor boundary (sel is ascending)
-        bounds = torch.tensor(starts, dtype=sel.dtype, device=sel.device)
-        cuts = torch.searchsorted(sel, bounds).tolist() if sel.numel() else [0] * len(starts)
-        for j, (u, info) in enumerate(items):
-            self._plan[(info.name, info.step)] = sel[cuts[j]:cuts[j + 1]] - starts[j]

@@ -118,8 +118,12 @@ class Compressor:
     default_feedback: ClassVar[str] = "none"
     # Feedback names this compressor accepts (None = any registered feedback).
     accepted_feedback: ClassVar[Optional[Tuple[str, ...]]] = None
-    # True when every rank's payload has the same size for a given tensor.
+    # True when every rank's payload has the same size for a given tensor (see ``sizes_agree``).
     fixed_size: ClassVar[bool] = True
+    # True when ``compress`` reads values from the device (a size or a budget that depends on the
+    # data): on a GPU such a bucket starts after backward, or on the overlap worker, never inside a
+    # backward hook, where the wait would stop the CPU from queueing the rest of backward.
+    reads_device: ClassVar[bool] = False
     # Index+value codecs: scale out by sparse reduce-scatter (hvd_ext.exchange.sparse_rs).
     sparse: ClassVar[bool] = False
     # Two-phase exchange: the shard owner keeps an error-feedback memory of its re-compression.
@@ -210,6 +214,13 @@ class Compressor:
         return out
 
     # ---- accounting ----------------------------------------------------------
+    def payload_size(self, info: TensorInfo, recoded: bool = False) -> Optional[int]:
+        """The exact bytes of the payload ``compress`` (``recoded``: ``recompress``, a two-phase owner's)
+        makes for ``info`` when the shape and the step alone decide it -- then every rank knows every
+        rank's size and nothing is read from the device on receipt -- else None. Default: ``wire_bytes``
+        of a ``fixed_size`` codec."""
+        return self.wire_bytes(info.numel) if self.fixed_size else None
+
     def wire_bytes(self, numel: int) -> Optional[int]:
         """Exact payload bytes for a tensor of ``numel`` elements, if fixed (else None)."""
         return None

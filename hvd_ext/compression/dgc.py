@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ..options import Option, fraction, non_negative
-from ._sparse import SparseCompressor, abs_score, bucket_abs, count_for, topk_indices
+from ._sparse import SparseCompressor, abs_score, bucket_abs, count_for, payload_bytes
 from .base import register
 from .topk import COMMON_OPTIONS
 
@@ -52,17 +54,6 @@ class DGCCompressor(SparseCompressor):
                      help="density per tensor, or one selection over a whole bucket (as topk)"),
     )
 
-    def prepare_bucket(self, items):
-        """scope=model: one selection of density(step) over the concatenated |v| of the bucket
-        (per layer, 1% of the main job's model trained to 89.9% in 24 epochs; over the model, as
-        topk's scope=model, to within a point of none)."""
-        self._plan = {}
-        if self.scope != "model" or not items:
-            return
-        cat, sizes = bucket_abs(items)
-        self._plan_global(items, (cat, sizes), count_for(self.density(items[0][1].step), cat.numel()), self.mode,
-                          self.sample)
-
     def validate(self):
         if self.warmup_steps > 0 and self.start_ratio < self.ratio:
             raise ValueError(f"compressor 'dgc': start_ratio={self.start_ratio} must be >= ratio={self.ratio} "
@@ -81,9 +72,26 @@ class DGCCompressor(SparseCompressor):
     def sparsity(self, step: int) -> float:
         return 1.0 - self.density(step)
 
-    def select(self, flat, info):
-        k = count_for(self.density(info.step), flat.numel())
-        score = abs_score(flat)
-        if self.mode == "sampled":
-            return self._sampled(score, k, info)
-        return topk_indices(score, k)
+    def selections(self, items, whole=None):
+        """scope=model: one selection of density(step) over the concatenated |v| of the bucket (per
+        layer, 1% of the main job's model trained to 89.9% in 24 epochs; over the model, as topk's
+        scope=model, to within a point of none)."""
+        density = self.density(items[0][1].step)
+        if self.scope == "model":
+            cat, sizes = bucket_abs(items)
+            yield self._over(items, (cat, sizes), count_for(density, cat.numel()))
+            return
+        for u, info in items:
+            flat = u.reshape(-1)
+            yield self._one(abs_score(flat if flat.dtype == torch.float32 else flat.float()), info,
+                            count_for(density, flat.numel()))
+
+    @property
+    def reads_device(self):
+        # sampled counts, and the split of a bucket-wide selection over tensors sent one by one
+        return self.mode == "sampled" or self.scope == "model"
+
+    def payload_size(self, info, recoded=False):
+        if self.mode != "exact" or self.scope != "layer":
+            return None
+        return payload_bytes(info.numel, count_for(self.density(info.step), info.numel), self.value_bytes)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels as _K
+from ..ops.device import on_host
 from ..feedback.residual import compress_momentum
 from ..options import Option, non_negative
 from ._quant import chunk_means, chunks, expand_chunks
@@ -47,7 +47,7 @@ class EFSignSGDCompressor(Compressor):
         n = flat.numel()
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device), None
-        if _K.backend(flat) != "cuda":
+        if on_host(flat):
             scales, bits = sign_compress_cpu(flat, self.bucket, True, "efsignsgd")
             return as_bytes(scales, bits), None
         scales = chunk_means(flat.abs(), self.bucket)
@@ -62,7 +62,7 @@ class EFSignSGDCompressor(Compressor):
         if n == 0:
             return torch.zeros(0, device=datas[0].device if datas else None)
         parts = [from_bytes(d, 0, torch.float32, chunks(n, self.bucket)) for d in datas]
-        if _K.backend(*datas) != "cuda":
+        if on_host(datas[0]):
             return sign_aggregate_cpu([d[off:] for d, (_, off) in zip(datas, parts)], [s for s, _ in parts], n,
                                       self.bucket, False, "efsignsgd")
         out = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels as _K
+from ..ops.device import on_host
 from ..options import Option, non_negative
 from . import _fast, _quant
 from .base import Compressor, as_bytes, from_bytes, register
@@ -74,7 +75,7 @@ class Int8Compressor(Compressor):
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device), None
         v = _quant.padded_view(flat, self.chunk, fill=float("nan"))
-        if self.stochastic and _K.backend(flat) == "cuda":
+        if self.stochastic and not on_host(flat):
             lo = torch.nan_to_num(v, nan=float("inf")).amin(dim=1, keepdim=True)
             hi = torch.nan_to_num(v, nan=float("-inf")).amax(dim=1, keepdim=True)
             width = hi - lo
@@ -86,8 +87,8 @@ class Int8Compressor(Compressor):
             return as_bytes(torch.cat([lo, hi], dim=1).reshape(-1).contiguous(), codes), None
         k = v.shape[0]
         payload = _fast.empty(8 * k + n, torch.uint8, flat.device)
-        key = (_fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, flat.device)
-               if self.stochastic else torch.zeros((), dtype=torch.int32, device=flat.device))
+        key = (_fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
+               if self.stochastic else torch.zeros((), dtype=torch.int32))
         whole = v.numel() == n
         codes = payload[8 * k:] if whole else _fast.scratch("int8", v.numel(), torch.uint8, flat.device)
         mm = _ENCODE(n, flat.device, v, key, codes, stochastic=bool(self.stochastic))

@@ -18,7 +18,7 @@ import torch
 
 from .. import kernels as _K
 from ..options import Option, non_negative
-from . import _quant
+from . import _fast
 from .base import Compressor, register
 from .bitpack import packed_bytes
 
@@ -39,8 +39,9 @@ class NaturalCompressor(Compressor):
         sign = (bits >> 31).to(torch.uint8)
         exp = (bits >> 23) & 0xFF
         mant = bits & (_MANT - 1)
-        g = _quant.generator(self.seed, info.step, info.name, info.rank, flat.device)
-        u = torch.randint(0, _MANT, (n,), generator=g, device=g.device).to(flat.device)
+        # 23 random bits per element from the counter hash (any device, nothing to copy)
+        key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
+        u = _fast.hash32(torch.arange(n, dtype=torch.int32, device=flat.device), key) & (_MANT - 1)
         sub = exp == 0  # zero or subnormal: |x| = mant * 2^-149, round to 0 or 2^-126 (exp 1)
         up = u < mant
         exp = exp + up.long()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels as _K
+from ..ops.device import on_host
 from ..options import Option, non_negative
 from . import _fast
 from ._quant import chunk_counts, chunks, padded_view
@@ -79,7 +80,7 @@ class OneBitCompressor(Compressor):
         n = flat.numel()
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device), None
-        if _K.backend(flat) != "cuda":
+        if on_host(flat):
             buf = _fast.codes_buffer("onebit", n, flat.device)
             vals = _ENCODE(n, flat.device, flat, buf[:n], c=self.bucket if self.bucket > 0 else n)
             return as_bytes(vals, _fast.pack_buffer(buf, n, 1)), None
@@ -108,7 +109,7 @@ class OneBitCompressor(Compressor):
         c = chunks(n, self.bucket)
         parts = [from_bytes(d, 0, torch.float32, 2 * c) for d in datas]
         size = self.bucket if self.bucket > 0 else n
-        if _K.backend(*datas) != "cuda":
+        if on_host(datas[0]):
             total = c * size  # whole chunks; the padding is dropped below
             codes = [_fast.padded(_fast.unpack_to_buffer(d[off:], 1, n, f"onebit/{r}"), total, f"onebit/pad{r}")
                      for r, (d, (_, off)) in enumerate(zip(datas, parts))]

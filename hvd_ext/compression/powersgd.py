@@ -39,6 +39,7 @@ import zlib
 import torch
 
 from ..options import Option, non_negative, positive
+from ..ops.device import upload_tensor
 from .base import Compressor, Continue, register
 
 
@@ -57,6 +58,7 @@ class PowerSGDCompressor(Compressor):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.q_memory = {}
+        self._q0 = {}
 
     # ---- shape decisions (identical on every rank: shapes and step only) ----------------
     def matrix_shape(self, shape):
@@ -88,9 +90,15 @@ class PowerSGDCompressor(Compressor):
         return None  # depends on the shape: use wire_bytes_for(shape)
 
     def _initial_q(self, name, m, r, device):
-        g = torch.Generator()
-        g.manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFF_FFFF_FFFF_FFFF)
-        return torch.randn(m, r, generator=g).to(device)
+        """The first Q of a tensor: drawn on the host from (seed, name) -- the same on every rank --
+        and copied to the device once, without waiting (kept for later cold starts)."""
+        key = (name, m, r, str(device))
+        q = self._q0.get(key)
+        if q is None:
+            g = torch.Generator()
+            g.manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFF_FFFF_FFFF_FFFF)
+            q = self._q0[key] = upload_tensor(torch.randn(m, r, generator=g), device)
+        return q
 
     # ---- codec ----------------------------------------------------------------------------------
     def compress(self, tensor, info):
@@ -104,23 +112,23 @@ class PowerSGDCompressor(Compressor):
             q = self._initial_q(info.name, m, r, M.device)
         q = q.to(M.device)
         P = M @ q
-        return P.reshape(-1), ("P", M, tensor.dtype)
+        return P.reshape(-1), ("P", M, tensor.dtype, q)
 
     def decompress(self, payload, ctx, info):
         kind = ctx[0]
         if kind == "dense":
             return payload.reshape(info.shape)
         if kind == "P":
-            _, M, dtype = ctx
+            _, M, dtype, q = ctx
             P = payload.reshape(M.shape[0], -1)
-            P = torch.nan_to_num(P) if not bool(torch.isfinite(P).all()) else P
+            P = torch.nan_to_num(P)  # a NaN/Inf step is skipped; the QR must not fail on it
             P = torch.linalg.qr(P, mode="reduced").Q
             Q = M.t() @ P
-            return Continue(Q.reshape(-1), ("Q", P, dtype))
-        _, P, dtype = ctx
+            return Continue(Q.reshape(-1), ("Q", P, dtype, q))
+        _, P, dtype, q = ctx
         Q = payload.reshape(-1, P.shape[1])
-        if bool(torch.isfinite(Q).all()):
-            self.q_memory[info.name] = Q.detach().clone()
+        # the warm start keeps the last finite Q (decided on the device: no read)
+        self.q_memory[info.name] = torch.where(torch.isfinite(Q).all(), Q, q.to(Q.dtype)).detach().clone()
         return (P @ Q.t()).to(dtype).reshape(info.shape)
 
     def local_contribution(self, payload, ctx, info, result):

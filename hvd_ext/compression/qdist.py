@@ -90,260 +90,20 @@ from __future__ import annotations
 
 import heapq
 import math
-from functools import lru_cache
 from typing import Dict, Tuple
 
 import torch
 
 from .. import kernels as _K
+from ..ops.device import expect, on_host, read, upload
 from ..options import Option, non_negative
 from . import _fast, _quant
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
 
-DISTS = ("gaussian", "laplace", "empirical")
-_GRID = 16  # T = 2 ** (k / _GRID)
-_SQRT2 = math.sqrt(2.0)
-
-
-# ---- level tables ---------------------------------------------------------------------------
-
-def _moments(dist: str, x: torch.Tensor):
-    """Partial moments F0, F1, F2 (int_{-inf}^x t^j p(t) dt) of the unit-variance shape, and p."""
-    if dist == "gaussian":
-        phi = torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
-        F0 = torch.special.ndtr(x)
-        return F0, -phi, F0 - x * phi, phi
-    beta = 1.0 / _SQRT2  # Laplace with variance 2 beta^2 = 1
-    a = -x.abs()
-    e = 0.5 * torch.exp(a / beta)
-    f0 = e
-    f1 = e * (a - beta)
-    f2 = e * (a * a - 2 * beta * a + 2 * beta * beta)
-    pos = x > 0
-    F0 = torch.where(pos, 1 - f0, f0)
-    F1 = f1  # symmetric: int_{-inf}^{x} t p = int_{-inf}^{-|x|} t p
-    F2 = torch.where(pos, 2 * beta * beta - f2, f2)
-    return F0, F1, F2, e / beta
-
-
-def _interval_error(dist, lo, hi):
-    F0a, F1a, F2a, _ = _moments(dist, lo)
-    F0b, F1b, F2b, _ = _moments(dist, hi)
-    return -(F2b - F2a) + (lo + hi) * (F1b - F1a) - lo * hi * (F0b - F0a)
-
-
-def _grad(dist, prev, cur, nxt):
-    """dJ/da_k: int_{prev}^{cur}(x - prev)p - int_{cur}^{nxt}(nxt - x)p (increasing in cur)."""
-    F0p, F1p, _, _ = _moments(dist, prev)
-    F0c, F1c, _, _ = _moments(dist, cur)
-    F0n, F1n, _, _ = _moments(dist, nxt)
-    left = (F1c - F1p) - prev * (F0c - F0p)
-    right = nxt * (F0n - F0c) - (F1n - F1c)
-    return left - right
-
-
-def _total_error(dist, a):
-    return float(_interval_error(dist, a[:-1], a[1:]).sum())
-
-
-def _newton(dist, a, iters: int = 100):
-    """Minimize J over the inner levels: Newton steps with the tridiagonal Hessian and a
-    backtracking line search that keeps the levels ordered and J decreasing."""
-    K = a.numel()
-    J = _total_error(dist, a)
-    for _ in range(iters):
-        prev, cur, nxt = a[:-2], a[1:-1], a[2:]
-        g = _grad(dist, prev, cur, nxt)
-        F0 = _moments(dist, a)[0]
-        p = _moments(dist, cur)[3]
-        H = torch.diag((nxt - prev) * p)
-        off = -(F0[2:-1] - F0[1:-2])  # -int_{a_k}^{a_{k+1}} p for inner neighbours
-        if K > 3:
-            H = H + torch.diag(off, 1) + torch.diag(off, -1)
-        try:
-            step = torch.linalg.solve(H, g)
-            if not bool(torch.isfinite(step).all()) or float((step * g).sum()) <= 0:
-                raise RuntimeError
-        except RuntimeError:
-            step = g / ((nxt - prev) * p).clamp(min=1e-12)  # diagonal (coordinate Newton) step
-        lam, improved = 1.0, False
-        for _ls in range(40):
-            b = a.clone()
-            b[1:-1] = cur - lam * step
-            if bool((b[1:] > b[:-1]).all()):
-                Jb = _total_error(dist, b)
-                if Jb <= J:
-                    improved = True
-                    break
-            lam *= 0.5
-        if not improved:
-            break
-        b = 0.5 * (b - b.flip(0))  # the shapes are symmetric
-        done = float((b - a).abs().max()) < 1e-11
-        a, J = b, _total_error(dist, b)
-        if done:
-            break
-    return a
-
-
-@lru_cache(maxsize=4096)
-def level_table(dist: str, bits: int, k: int) -> Tuple[torch.Tensor, float]:
-    """(2^bits sorted float32 levels on [-T, T], T = 2^(k/16); expected error J per sigma^2).
-
-    J is the stochastic-rounding error of a unit-variance ``dist`` sample within +-T."""
-    if dist not in ("gaussian", "laplace"):
-        raise ValueError(f"no level table for dist={dist!r}")
-    T = 2.0 ** (k / _GRID)
-    K = 2 ** bits
-    dt = torch.float64
-    if K == 2:
-        a = torch.tensor([-T, T], dtype=dt)
-    else:
-        # compander start: levels at equal steps of int p^(1/3) over [-T, T]
-        xs = torch.linspace(-T, T, 20001, dtype=dt)
-        dens = _moments(dist, xs)[3] ** (1.0 / 3.0)
-        cdf = torch.cumsum(dens, 0)
-        cdf = (cdf - cdf[0]) / (cdf[-1] - cdf[0])
-        targets = torch.linspace(0, 1, K, dtype=dt)
-        idx = torch.searchsorted(cdf, targets).clamp(0, xs.numel() - 1)
-        a = xs[idx].clone()
-        a[0], a[-1] = -T, T
-        a = _newton(dist, a)
-    J = float(_interval_error(dist, a[:-1], a[1:]).sum())
-    return a.to(torch.float32), J
-
-
-def grid_index(t: float) -> int:
-    """Smallest k >= 0 with 2^(k/16) >= t."""
-    if t <= 1.0:
-        return 0
-    k = math.ceil(_GRID * math.log2(t) - 1e-12)
-    while 2.0 ** (k / _GRID) < t:
-        k += 1
-    return k
-
-
-# ---- per-bucket scales and fitted levels (bucket > 0) ----------------------------------------
-
-_SCALE_STEPS = 16                 # s_j = M * 2^(-c_j / 16)
-_ZERO_BUCKET = 255                # c_j of an all-zero bucket (s_j = 0)
-_SCALE_POW = torch.tensor([2.0 ** (-c / _SCALE_STEPS) for c in range(255)] + [0.0], dtype=torch.float32)
-_FIT_BINS = 128                   # level grid: 129 points sign(t) t^2, t = -1 + 2 i / 128
-_FIT_SAMPLE = 32768               # elements the fit looks at (evenly strided)
-_FIT_MAX_BITS = 4                 # fitted levels up to 16 of them
-_FIT_EDGES64 = None
-_FIT_PAIRS = None
-
-
-def fit_edges() -> torch.Tensor:
-    """The 129 float64 candidate level positions on [-1, 1] (index 64 is 0)."""
-    global _FIT_EDGES64, _FIT_PAIRS
-    if _FIT_EDGES64 is None:
-        t = torch.linspace(-1.0, 1.0, _FIT_BINS + 1, dtype=torch.float64)
-        e = t.sign() * t * t
-        e[0], e[_FIT_BINS // 2], e[-1] = -1.0, 0.0, 1.0
-        lo, hi = e.view(-1, 1), e.view(1, -1)
-        _FIT_PAIRS = (lo + hi, lo * hi, hi > lo)
-        _FIT_EDGES64 = e
-    return _FIT_EDGES64
-
-
-_FIT_EDGES32 = fit_edges().to(torch.float32)
-
-
-def bucket_scale_codes(amax: torch.Tensor, M: float) -> torch.Tensor:
-    """uint8 codes c_j with ``M 2^(-c_j/16) >= amax_j`` (smallest such), 255 for amax_j = 0."""
-    if not M > 0 or not math.isfinite(M):
-        return torch.zeros(amax.shape, dtype=torch.uint8, device=amax.device)
-    r = (amax.to(torch.float32) / M).clamp(min=2.0 ** -40)
-    # a margin of 1e-3 steps (4e-5 relative) keeps the float32 scale above amax despite rounding
-    c = torch.floor(-_SCALE_STEPS * torch.log2(r) - 1e-3).clamp_(0, _ZERO_BUCKET - 1)
-    c = torch.where(amax > 0, c, torch.full_like(c, _ZERO_BUCKET))
-    return c.to(torch.uint8)
-
-
-def bucket_scales(codes: torch.Tensor, M) -> torch.Tensor:
-    """float32 scales ``M 2^(-c/16)`` (0 for code 255) of the uint8 scale codes."""
-    return _SCALE_POW.to(codes.device)[codes.long()] * M
-
-
-def dp_levels(z: torch.Tensor, w: torch.Tensor, K: int) -> torch.Tensor:
-    """Indices (int64, K of them, 0 and 128 included) into :func:`fit_edges` of the K levels that
-    minimize ``sum_i w_i (z_i - a_k)(a_{k+1} - z_i)`` (stochastic-rounding error) over levels on
-    the grid, exactly: dynamic programming over the weighted histogram (prefix sums make every
-    interval's cost closed-form, and exact since the levels sit on bin edges)."""
-    e = fit_edges()
-    E = _FIT_BINS
-    z = z.to(torch.float64)
-    w = w.to(torch.float64)
-    t = z.sign() * z.abs().sqrt()
-    b = ((t + 1.0) * (E / 2)).floor().clamp_(0, E - 1).long()
-    C = torch.zeros(E + 1, dtype=torch.float64)
-    S, Q = C.clone(), C.clone()
-    C[1:] = torch.bincount(b, w, minlength=E)
-    wz = w * z
-    S[1:] = torch.bincount(b, wz, minlength=E)
-    Q[1:] = torch.bincount(b, wz * z, minlength=E)
-    C, S, Q = C.cumsum(0), S.cumsum(0), Q.cumsum(0)
-    total = float(C[-1])
-    if not total > 0 or not math.isfinite(total):
-        return torch.linspace(0, E, K).round().long()
-    C, S, Q = C / total, S / total, Q / total
-    plus, prod, valid = _FIT_PAIRS
-    # Candidates: a level inside a stretch of empty bins changes the error linearly, so an optimum
-    # has its levels on edges of occupied bins (or +-1); the others are left out (exact, and cheap
-    # for small layers). Too few of them: any other edges complete the K (they cost nothing).
-    occupied = (C[1:] > C[:-1]).nonzero().squeeze(1)
-    keep = torch.zeros(E + 1, dtype=torch.bool)
-    keep[0] = keep[E] = True
-    keep[occupied] = True
-    keep[occupied + 1] = True
-    if int(keep.sum()) < K:
-        keep[torch.linspace(0, E, K).round().long()] = True  # K distinct edges: enough with the rest
-    cand = keep.nonzero().squeeze(1)
-    m = cand.numel()
-    if m < E + 1:
-        C, S, Q = C[cand], S[cand], Q[cand]
-        plus, prod, valid = plus[cand][:, cand], prod[cand][:, cand], valid[cand][:, cand]
-    # cost[i, j] = sum over bins between candidate edges i < j of w (z - e_i)(e_j - z)
-    cost = (S.view(1, -1) - S.view(-1, 1)).mul_(plus)
-    cost.sub_(Q.view(1, -1) - Q.view(-1, 1)).sub_((C.view(1, -1) - C.view(-1, 1)).mul_(prod))
-    cost.clamp_(min=0.0).masked_fill_(~valid, float("inf"))
-    D = cost[0]
-    back = []
-    for _ in range(K - 2):  # D[j]: least error of [-1, e_j] cut into (step + 2) intervals
-        D, arg = (D.view(-1, 1) + cost).min(0)
-        back.append(arg)
-    idx = [m - 1]
-    if back:
-        back = torch.stack(back).tolist()
-        for row in reversed(back):
-            idx.append(row[idx[-1]])
-    idx.append(0)
-    return cand[torch.tensor(idx[::-1], dtype=torch.long)]
-
-
-def sampled_error(z: torch.Tensor, w: torch.Tensor, levels: torch.Tensor) -> float:
-    """``sum w (z - a)(c - z)`` of stochastic rounding onto ``levels`` (a <= z <= c neighbours)."""
-    lv = levels.to(torch.float64)
-    z = z.to(torch.float64).clamp(-1.0, 1.0)
-    i = (torch.searchsorted(lv, z, right=True) - 1).clamp_(0, lv.numel() - 2)
-    return float((w.to(torch.float64) * (z - lv[i]) * (lv[i + 1] - z)).sum())
-
-
-def table_levels(dist: str, bits: int, k: int) -> torch.Tensor:
-    """The ``dist`` table of grid index k scaled from [-T, T] to [-1, 1] (ends exactly +-1), float32."""
-    return _table_levels(dist, bits, k)
-
-
-@lru_cache(maxsize=4096)
-def _table_levels(dist, bits, k):
-    lv = level_table(dist, bits, k)[0].to(torch.float64) / 2.0 ** (k / _GRID)
-    lv[0], lv[-1] = -1.0, 1.0
-    return lv.to(torch.float32)
-
-
+from .qdist_levels import (DISTS, FIT_BINS, FIT_MAX_BITS, FIT_SAMPLE, GRID_MAX, bucket_scale_codes, bucket_scales,
+                           dp_levels, dp_levels_device, edges_device, fit_edges32, grid_index, grid_index_device, level_table,
+                           sampled_error, sampled_error_device, table_levels, tables_device)
 def _bucket_amax(v):
     """max |x| of each bucket (row) of v (k, c)."""
     return v.to(torch.float32).abs().amax(1)
@@ -465,6 +225,11 @@ class QDistCompressor(Compressor):
         if self.budget:
             self.fixed_size = False
 
+    @property
+    def reads_device(self) -> bool:
+        """Under a budget the bits of every layer are allocated on the host from the layers' fits."""
+        return bool(self.budget)
+
     # ---- fitting ----------------------------------------------------------------------------
     def fit(self, flat: torch.Tensor):
         """(dist, mu, sigma, t) of a flat float tensor; t = max|x - mu| / sigma."""
@@ -482,21 +247,14 @@ class QDistCompressor(Compressor):
         got = self._alloc.get(getattr(info, "base_name", None) or info.name)
         if got is not None and got[0] == info.step:
             return got[1]
-        if self.budget:
-            return max(1, min(8, int(self.budget)))
-        return self.bits
+        return self.uniform_bits()
 
     def prepare_bucket(self, items):
         """Allocate bits per layer under the budget (items: [(u, info)] of one bucket)."""
         if not self.budget:
             return
         layers = []
-        for u, info in items:
-            flat = u.reshape(-1).float()
-            n = flat.numel()
-            if n == 0:
-                continue
-            dist, mu, sigma, t = self.fit(flat)
+        for info, n, dist, sigma, t in self._layer_fits(items):
             if not (math.isfinite(sigma) and math.isfinite(t)):
                 sigma, t = 0.0, 1.0
             shape = dist if dist != "empirical" else "gaussian"
@@ -526,21 +284,65 @@ class QDistCompressor(Compressor):
         for (info, *_), b in zip(layers, bits):
             self._alloc[info.name] = (info.step, b)
 
+    def _layer_fits(self, items):
+        """[(info, n, dist, sigma, t)] of the non-empty layers: on a device fitted there and read once."""
+        fits, rows = [], []
+        for u, info in items:
+            flat = u.reshape(-1).float()
+            if flat.numel() == 0:
+                continue
+            if on_host(flat):
+                dist, _, sigma, t = self.fit(flat)
+                fits.append((info, flat.numel(), dist, sigma, t))
+            else:
+                code, _, sigma, t = self._fit_device(flat)
+                rows.append(torch.stack([sigma.double(), t.double(), code.double()]))
+                fits.append((info, flat.numel(), None, None, None))
+        if rows:  # one read for the bucket
+            vals = iter(read(torch.cat(rows)))
+            done = []
+            for info, n, dist, sigma, t in fits:
+                if dist is None:
+                    sigma, t, code = next(vals), next(vals), next(vals)
+                    dist = DISTS[int(code)]
+                done.append((info, n, dist, sigma, t))
+            fits = done
+        return fits
+
     # ---- codec -----------------------------------------------------------------------------
     def fitted(self, numel: int, bits: int) -> bool:
         """Whether a layer of ``numel`` elements at ``bits`` sends fitted grid levels (bucket format)."""
         K = 2 ** bits
-        if K <= 2 or bits > _FIT_MAX_BITS or self.dist in ("gaussian", "laplace"):
+        if K <= 2 or bits > FIT_MAX_BITS or self.dist in ("gaussian", "laplace"):
             return False
         return self.dist == "empirical" or numel * bits >= 64 * (K - 2)
 
+    def uniform_bits(self) -> int:
+        """The bits of a layer without an allocation of its own (``bits``, or the budget rounded down)."""
+        return max(1, min(8, int(self.budget))) if self.budget else self.bits
+
+    def payload_size(self, info, recoded=False):
+        """Known from the shape unless a budget allocated this rank's bits from its own gradient."""
+        if self.budget and not recoded:
+            return None
+        return self.payload_bytes(info.numel, self.uniform_bits())
+
+    def recompress(self, tensor, info):
+        """A two-phase owner re-codes the average at :meth:`uniform_bits` (under a budget, no allocation of
+        its own): every rank then knows the sizes of the second phase without reading them."""
+        return self._encode(tensor, info, self.uniform_bits())
+
     def compress(self, tensor, info):
+        return self._encode(tensor, info, self.bits_for(info))
+
+    def _encode(self, tensor, info, b: int):
         flat = tensor.reshape(-1).float()
         n = flat.numel()
         dev = flat.device
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=dev), None
-        b = self.bits_for(info)
+        if not on_host(flat):
+            return self._compress_device(flat, b, info), None
         if self.bucket:
             return self._compress_buckets(flat, b, info), None
         K = 2 ** b
@@ -564,14 +366,11 @@ class QDistCompressor(Compressor):
             head = as_bytes(torch.tensor([b, DISTS.index(dist)], dtype=torch.uint8, device=dev),
                             torch.tensor([k], dtype=torch.int16, device=dev),
                             torch.tensor([mu, sig_out], dtype=torch.float32, device=dev))
-        if z is None and (_K.backend(flat) == "cuda" or K > 16):
+        if z is None and K > 16:
             z = (flat - mu) / sigma
-        if _K.backend(flat) == "cuda":
-            packed = _K.quantize_pack(z, levels, 1.0, b,
-                                      seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
-        elif K <= 16:
+        if K <= 16:
             n = flat.numel()
-            key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, dev)
+            key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
             musig = torch.tensor([mu, sigma if sigma > 0 else 1.0], dtype=torch.float32) if dist != "empirical" \
                 else torch.tensor([0.0, 1.0])
             zero = dist != "empirical" and (sigma == 0 or not math.isfinite(sigma) or not math.isfinite(mu)
@@ -589,7 +388,7 @@ class QDistCompressor(Compressor):
         K = 2 ** b
         n = flat.numel()
         B = self.bucket
-        st = max(1, -(-n // _FIT_SAMPLE))
+        st = max(1, -(-n // FIT_SAMPLE))
         pos = torch.arange(0, n, st, device=flat.device)
         s = scales[pos // B].to(torch.float64)
         z = torch.where(s > 0, flat[pos].to(torch.float64) / torch.where(s > 0, s, torch.ones_like(s)),
@@ -597,7 +396,7 @@ class QDistCompressor(Compressor):
         w = (s / M).pow(2).cpu()
         if self.fitted(n, b):
             idx = dp_levels(z, w, K)
-            return 2, 0, idx, _FIT_EDGES32[idx].to(flat.device)
+            return 2, 0, idx, fit_edges32()[idx].to(flat.device)
         # moments: the body of z * T has unit variance (weighted like the error)
         ez2 = float((w * z * z).sum())
         T = math.sqrt(float(w.sum()) / ez2) if ez2 > 0 else 1.0
@@ -627,9 +426,9 @@ class QDistCompressor(Compressor):
         else:  # all zero, or non-finite (the step is skipped): every value decodes to M * 0 or NaN
             form, k, idx, levels = DISTS.index("gaussian"), 0, None, table_levels("gaussian", b, 0).to(dev)
         if self.fitted(n, b) and idx is None:
-            idx = torch.linspace(0, _FIT_BINS, K).round().long()
+            idx = torch.linspace(0, FIT_BINS, K).round().long()
             form = 2
-            levels = _FIT_EDGES32[idx].to(dev)
+            levels = fit_edges32()[idx].to(dev)
         head = [torch.tensor([b, 16 + form], dtype=torch.uint8, device=dev),
                 torch.tensor([k], dtype=torch.int16, device=dev),
                 torch.tensor([M], dtype=torch.float32, device=dev)]
@@ -639,12 +438,8 @@ class QDistCompressor(Compressor):
         head = as_bytes(*head)
         s2 = scales.view(-1, 1)
         inv = torch.where(s2 > 0, 1.0 / torch.where(s2 > 0, s2, torch.ones_like(s2)), torch.zeros_like(s2))
-        if _K.backend(flat) == "cuda":
-            z = v * inv
-            packed = _K.quantize_pack(z.reshape(-1)[:n].clamp(-1.0, 1.0), levels, 1.0, b,
-                                      seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
-        elif K <= 16:
-            key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, dev)
+        if K <= 16:
+            key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
             total = v.numel()
             buf = _fast.scratch("qdist/b", max(total, 8 * ((n + 7) // 8)), torch.uint8, dev)
             _ROUND_B(total, dev, v.reshape(-1), inv, levels.to(torch.float32).contiguous(), key, buf[:total], K=K)
@@ -666,7 +461,7 @@ class QDistCompressor(Compressor):
         if form == 2:
             idx = data[off:off + K - 2].long()
             off += K - 2
-            grid = _FIT_EDGES32.to(data.device)
+            grid = fit_edges32().to(data.device)
             levels = torch.cat([grid[:1], grid[idx], grid[-1:]])
         else:
             levels = table_levels(DISTS[form], b, k).to(data.device)
@@ -680,7 +475,7 @@ class QDistCompressor(Compressor):
         B = self.bucket
         total = _quant.chunks(n, B) * B
         K = 2 ** parts[0][0]
-        if _K.backend(*datas) != "cuda" and K <= 16 and all(p[0] == parts[0][0] for p in parts):
+        if K <= 16 and all(p[0] == parts[0][0] for p in parts):
             codes = [_fast.padded(_fast.unpack_to_buffer(p[3], p[0], n, f"qdist/b{r}"), total, f"qdist/bpad{r}")
                      for r, p in enumerate(parts)]
             out = _fast.empty(total, device=dev)
@@ -710,7 +505,7 @@ class QDistCompressor(Compressor):
         width = c - a
         p = torch.where(width > 0, (z - a) / torch.where(width > 0, width, torch.ones_like(width)),
                         torch.zeros_like(z)).clamp_(0, 1)
-        key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, z.device)
+        key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
         up = _fast.uniform(z.numel(), key, z.device) < p
         return (idx + up.long()).to(torch.uint8)
 
@@ -718,6 +513,8 @@ class QDistCompressor(Compressor):
         n = info.numel
         if n == 0:
             return torch.zeros(0, device=data.device)
+        if not on_host(data):
+            return self._decode_device(data, n)
         if self.bucket:
             return self._sum_buckets([data], n)
         b, dcode = int(data[0]), int(data[1])
@@ -734,7 +531,7 @@ class QDistCompressor(Compressor):
         if float(sigma) == 0 or not math.isfinite(float(sigma)):
             return (mu + sigma * torch.zeros(n, device=data.device)).expand(n).clone()
         levels = level_table(dist, b, k)[0].to(data.device)
-        if _K.backend(data) != "cuda" and K <= 16:
+        if K <= 16:
             return self.aggregate([data], ctx, info)
         codes = _K.unpack_bits(data[off:], b, n).long()
         return mu + sigma * levels[codes]
@@ -742,7 +539,7 @@ class QDistCompressor(Compressor):
     def _fused_parts(self, datas, n):
         """[(codes, levels, (mu, sigma))] of every rank for the fused CPU sum, or None when a payload
         needs the general path (CUDA, more than 16 levels, ranks with different bits, a degenerate fit)."""
-        if not datas or _K.backend(*datas) == "cuda":
+        if not datas:
             return None
         parts = []
         for r, data in enumerate(datas):
@@ -767,6 +564,12 @@ class QDistCompressor(Compressor):
     def aggregate(self, datas, ctx, info):
         """Sum of the ranks' decoded payloads; on CPU one fused pass over all ranks."""
         n = info.numel
+        if n and datas and not on_host(datas[0]):
+            out = None
+            for d in datas:
+                x = self._decode_device(d, n)
+                out = x if out is None else out.add_(x)
+            return out
         if n and self.bucket and datas:
             return self._sum_buckets(datas, n)
         parts = self._fused_parts(datas, n) if n else None
@@ -792,3 +595,129 @@ class QDistCompressor(Compressor):
             return 8 + fit + _quant.chunks(numel, self.bucket) + packed_bytes(numel, bits)
         head = 4 + 4 * 2 ** bits if self.dist == "empirical" else 12
         return head + packed_bytes(numel, bits)
+
+    # ---- on a device (docs/gpu.md): the same formats, fitted there, nothing read back -----------
+    def _fit_device(self, flat):
+        """(dist code 0-d int64 -- 0 gaussian, 1 laplace --, mu, sigma, t) as tensors on flat's device."""
+        mu, sigma, mad, dmax = _stats(flat)
+        if self.dist == "auto":
+            gauss = -torch.log(sigma) - 0.5 * math.log(2 * math.pi * math.e)
+            lap = -torch.log(2 * mad) - 1.0
+            code = (lap > gauss).long()
+        else:
+            code = torch.full((), DISTS.index(self.dist) if self.dist != "empirical" else 0, dtype=torch.long,
+                              device=flat.device)
+        pos = sigma > 0
+        t = torch.where(pos, dmax / torch.where(pos, sigma, torch.ones_like(sigma)), torch.zeros_like(sigma))
+        return code, mu, sigma, t
+
+    def _shape_levels(self, code, k, bits, device, unit=True):
+        """The table levels of grid index ``k`` (0-d tensor) for the shape ``code`` (0-d tensor)."""
+        k = k.reshape(1)
+        if self.dist in ("gaussian", "laplace"):
+            return tables_device(self.dist, bits, device, unit).index_select(0, k)[0]
+        g = tables_device("gaussian", bits, device, unit).index_select(0, k)[0]
+        lap = tables_device("laplace", bits, device, unit).index_select(0, k)[0]
+        return torch.where(code == 1, lap, g)
+
+    def _compress_device(self, flat, b, info):
+        dev, K = flat.device, 2 ** b
+        seed = _K.derive_seed(self.seed, info.name, info.rank)
+        if self.bucket:
+            return self._compress_buckets_device(flat, b, seed, info.step)
+        if self.dist == "empirical":
+            levels = self._empirical_levels(flat, K)
+            head = as_bytes(upload([b, DISTS.index("empirical"), 0, 0], torch.uint8, dev), levels)
+            z = flat
+        else:
+            code, mu, sigma, t = self._fit_device(flat)
+            finite = torch.isfinite(mu) & torch.isfinite(sigma) & torch.isfinite(t)
+            good = finite & (sigma != 0)
+            k = torch.where(good, grid_index_device(t), 0)
+            levels = torch.where(good, self._shape_levels(code, k, b, dev, unit=False),
+                                 torch.zeros(K, dtype=torch.float32, device=dev))
+            sig_out = torch.where(finite, sigma, torch.full_like(sigma, float("nan")))
+            head = as_bytes(upload([b], torch.uint8, dev), code.to(torch.uint8).reshape(1),
+                            k.to(torch.int16).reshape(1), torch.stack([mu, sig_out]).to(torch.float32))
+            z = torch.where(good, (flat - mu) / torch.where(good, sigma, torch.ones_like(sigma)), torch.zeros_like(flat))
+        return torch.cat([head, _K.quantize_pack(z, levels, 1.0, b, seed=seed, step=info.step)])
+
+    def _compress_buckets_device(self, flat, b, seed, step):
+        n, dev, K, B = flat.numel(), flat.device, 2 ** b, self.bucket
+        v = _quant.padded_view(flat, B)
+        amax = v.abs().amax(1)
+        M = amax.max()
+        good = torch.isfinite(M) & (M > 0)
+        Mf = torch.where(good, M, torch.zeros_like(M))
+        codes_s = bucket_scale_codes(amax, M)
+        scales = bucket_scales(codes_s, Mf)
+        pos = torch.arange(0, n, max(1, -(-n // FIT_SAMPLE)), device=dev)
+        s = scales[pos // B].to(torch.float64)
+        z = torch.where(s > 0, flat[pos].to(torch.float64) / torch.where(s > 0, s, torch.ones_like(s)),
+                        torch.zeros_like(s)).clamp_(-1.0, 1.0)
+        w = torch.where(good, (s / torch.where(good, Mf, torch.ones_like(Mf)).to(torch.float64)).pow(2),
+                        torch.zeros_like(s))
+        extra = []
+        if self.fitted(n, b):  # weights all zero (nothing to fit) give evenly spread levels, as on the host
+            idx = dp_levels_device(z, w, K)
+            levels = edges_device(dev)[idx]
+            form = torch.full((), 2, dtype=torch.long, device=dev)
+            k = torch.zeros((), dtype=torch.long, device=dev)
+            extra = [idx[1:-1].to(torch.uint8)]
+        else:
+            ez2 = (w * z * z).sum()
+            T = torch.where(ez2 > 0, (w.sum() / torch.where(ez2 > 0, ez2, torch.ones_like(ez2))).sqrt(),
+                            torch.ones_like(ez2))
+            k = torch.where(good, grid_index_device(T), 0)
+            if self.dist in ("gaussian", "laplace"):
+                form = torch.full((), DISTS.index(self.dist), dtype=torch.long, device=dev)
+            else:  # the shape with the smaller sampled error (the Gaussian on a tie, and when nothing is fitted)
+                err = [sampled_error_device(z, w, tables_device(d, b, dev).index_select(0, k.reshape(1))[0])
+                       for d in ("gaussian", "laplace")]
+                form = ((err[1] < err[0]) & good).long()
+            levels = self._shape_levels(form, k, b, dev)
+        head = as_bytes(upload([b], torch.uint8, dev), (16 + form).to(torch.uint8).reshape(1),
+                        k.to(torch.int16).reshape(1), M.to(torch.float32).reshape(1), *extra, codes_s)
+        s2 = scales.view(-1, 1)
+        inv = torch.where(s2 > 0, 1.0 / torch.where(s2 > 0, s2, torch.ones_like(s2)), torch.zeros_like(s2))
+        z_all = (v * inv).reshape(-1)[:n].clamp(-1.0, 1.0)
+        return torch.cat([head, _K.quantize_pack(z_all, levels, 1.0, b, seed=seed, step=step)])
+
+    def _bits_of(self, data, n: int) -> int:
+        """The bits of a payload: fixed, or under a budget the one whose size matches (sizes grow with it)."""
+        if not self.budget:
+            return self.bits
+        for b in range(1, 9):
+            if self.payload_bytes(n, b) == data.numel():
+                return b
+        raise ValueError(f"qdist: a payload of {data.numel()} bytes fits no bit width for {n} elements")
+
+    def _decode_device(self, data, n: int):
+        b = self._bits_of(data, n)
+        K = 2 ** b
+        expect(data[0] == b, f"qdist: corrupt header (its bits disagree with its size, {b} bits)")
+        k = (from_bytes(data, 2, torch.int16, 1)[0][0].long() & 0xFFFF).clamp(max=GRID_MAX)
+        if self.bucket:
+            form = data[1].long() - 16
+            expect((form >= 0) & (form < len(DISTS)), f"qdist: corrupt header (form; bucket={self.bucket})")
+            M, off = from_bytes(data, 4, torch.float32, 1)
+            if self.fitted(n, b):
+                idx = data[off:off + K - 2].long()
+                off += K - 2
+                grid = edges_device(data.device)
+                levels = torch.cat([grid[:1], grid[idx], grid[-1:]])
+            else:
+                levels = self._shape_levels(form, k, b, data.device)
+            nb = _quant.chunks(n, self.bucket)
+            scales = bucket_scales(data[off:off + nb], M[0]).view(-1, 1)
+            codes = _K.unpack_bits(data[off + nb:], b, n).long()
+            return levels[codes] * scales.expand(-1, self.bucket).reshape(-1)[:n]
+        if self.dist == "empirical":
+            levels, off = from_bytes(data, 4, torch.float32, K)
+            return levels[_K.unpack_bits(data[off:], b, n).long()]
+        code = data[1].long()
+        musig, off = from_bytes(data, 4, torch.float32, 2)
+        mu, sigma = musig[0], musig[1]
+        x = mu + sigma * self._shape_levels(code, k, b, data.device, unit=False)[_K.unpack_bits(data[off:], b, n).long()]
+        degenerate = (sigma == 0) | ~torch.isfinite(sigma)
+        return torch.where(degenerate, mu + sigma * torch.zeros_like(x), x)

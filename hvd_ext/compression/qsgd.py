@@ -28,6 +28,7 @@ import math
 import torch
 
 from .. import kernels as _K
+from ..ops.device import on_host
 from ..options import Option, non_negative
 from . import _fast, _quant
 from .base import Compressor, as_bytes, from_bytes, register
@@ -105,7 +106,7 @@ class QSGDCompressor(Compressor):
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device), None
         v = _quant.padded_view(flat, self.bucket)
-        if _K.backend(flat) == "cuda":
+        if not on_host(flat):
             if self.norm == "l2":
                 norms = v.norm(dim=1, keepdim=True)
             else:
@@ -116,7 +117,7 @@ class QSGDCompressor(Compressor):
             packed = _K.quantize_pack(torch.where(flat < 0, -r, r), levels, 1.0, self.b,
                                       seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
             return as_bytes(norms.reshape(-1).contiguous(), packed), None
-        key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, flat.device)
+        key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
         k = v.shape[0]
         if self.b == 8 and k * v.shape[1] == n:  # codes are the payload bytes: write them after the norms
             payload = _fast.empty(4 * k + n, torch.uint8, flat.device)
@@ -143,7 +144,7 @@ class QSGDCompressor(Compressor):
             return torch.zeros(0, device=dev)
         parts = [self._split(d, n) for d in datas]
         c = self.bucket if self.bucket > 0 else n
-        if _K.backend(*datas) == "cuda":
+        if not on_host(datas[0]):
             out = None
             for norms, codes in parts:
                 codes = _K.unpack_bits(codes, self.b, n)

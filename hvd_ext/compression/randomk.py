@@ -33,6 +33,7 @@ import zlib
 import torch
 
 from .. import kernels as _K
+from ..ops.device import expect, on_host
 from ..feedback.residual import compress_momentum
 from ..options import Option, fraction, non_negative
 from .base import Compressor, as_bytes, from_bytes, register
@@ -67,11 +68,19 @@ class RandomKCompressor(Compressor):
             # Instance attribute: the exchange reads it to route the payload.
             self.exchange = "allreduce"
 
-    def indices(self, info) -> torch.Tensor:
+    def indices(self, info, device=None) -> torch.Tensor:
+        """k indices drawn without replacement from (seed, step, name[, rank]): on the host the first k
+        of a seeded ``randperm``; on a device the k largest of a counter hash of every index (drawn
+        there: no permutation to copy over)."""
         n = info.numel
         k = count_for(self.ratio, n)
-        g = _generator(self.seed, info.step, info.name, 0 if self.shared else info.rank)
-        return torch.randperm(n, generator=g)[:k].sort().values
+        rank = 0 if self.shared else info.rank
+        if device is None or torch.device(device).type == "cpu":
+            g = _generator(self.seed, info.step, info.name, rank)
+            return torch.randperm(n, generator=g)[:k].sort().values
+        key = _K.stream_key(_K.derive_seed(self.seed, info.name, rank), info.step)
+        h = _K.hash_u32(key, torch.arange(n, device=device), n <= 2 ** 32)
+        return torch.topk(h, k, sorted=False).indices.sort().values
 
     def bind_optimizer(self, optimizer):
         compress_momentum(self, optimizer, adam=True)  # before the feedback takes the momentum over
@@ -87,8 +96,8 @@ class RandomKCompressor(Compressor):
 
     def compress(self, tensor, info):
         flat = tensor.reshape(-1).float()
-        idx = self.indices(info)
-        values = flat[idx.to(flat.device)]
+        idx = self.indices(info, flat.device)
+        values = flat[idx]
         if self.shared:
             return values, idx
         return as_bytes(idx.to(torch.int32).to(flat.device), values), None
@@ -100,17 +109,23 @@ class RandomKCompressor(Compressor):
         return out.reshape(info.shape)
 
     # shared=0: allgather path
-    def _split(self, data):
+    def _split(self, data, n):
         k = data.numel() // 8
         idx, off = from_bytes(data, 0, torch.int32, k)
         val, _ = from_bytes(data, off, torch.float32, k)
-        return idx.long(), val
+        idx = idx.long()
+        if k:
+            ok = (idx >= 0) & (idx < n)
+            expect(ok.all(), f"randomk: an index outside [0, {n}) (a corrupt payload?)")
+            if not on_host(idx):  # read with the step's checks: keep the writes in range meanwhile
+                idx = torch.where(ok, idx, 0)
+        return idx, val
 
     def sparse_entries(self, payload, ctx, info):
-        return self._split(payload)
+        return self._split(payload, info.numel)
 
     def decode(self, data, ctx, info):
-        idx, val = self._split(data)
+        idx, val = self._split(data, info.numel)
         out = torch.zeros(info.numel, dtype=torch.float32, device=data.device)
         out[idx] = val
         return out
@@ -118,7 +133,7 @@ class RandomKCompressor(Compressor):
     def aggregate(self, datas, ctx, info):
         # CUDA: one kernels.sparse_scatter_add launch for all ranks; else index_add_ per rank in order
         out = torch.zeros(info.numel, dtype=torch.float32, device=datas[0].device)
-        pairs = [self._split(d) for d in datas]
+        pairs = [self._split(d, info.numel) for d in datas]
         return _K.sparse_scatter_add(out, [i for i, _ in pairs], [v for _, v in pairs], 1.0)
 
     def local_contribution(self, payload, ctx, info, result):

@@ -25,12 +25,11 @@ layers by their |u| mass: that is the split, not the score.)
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
+from ..ops.device import read
 from ..options import Option, non_negative, positive
-from ._sparse import SparseCompressor, abs_score, count_for, split_budget, topk_indices
+from ._sparse import SparseCompressor, abs_score, count_for, payload_bytes, split_budget
 from .base import register
 from .topk import COMMON_OPTIONS
 
@@ -56,52 +55,44 @@ class SignificanceCompressor(SparseCompressor):
                              f"gradient {s.numel()}")
         return s.mul_(w.abs().add_(self.eps).pow_(self.alpha))
 
-    def _select_k(self, score, k, info):
-        if self.mode == "sampled":
-            return self._sampled(score, k, info)
-        return topk_indices(score, k)
-
-    def select(self, flat, info):
-        return self._select_k(self.score(flat, info, reuse=True), count_for(self.ratio, flat.numel()), info)
+    per_segment = True  # a flat record's segments are scored and budgeted as separate tensors
 
     def _selects_over_bucket(self):
-        return True  # a flat record's segments are scored and budgeted as separate tensors (_plan_flat)
+        return True
 
-    def prepare_bucket(self, items):
-        self._plan = {}
-        if len(items) == 1 and items[0][1].segments:
-            self._plan_flat(*items[0])
-            return
-        if self.split == "layer" or not items:
+    @property
+    def reads_device(self):
+        # sampled counts; the mass of each layer (its budget); a bucket-wide selection split over
+        # tensors sent one by one
+        return self.mode == "sampled" or self.split == "mass" or (self.split == "global" and not self.bucket_flat)
+
+    def payload_size(self, info, recoded=False):
+        if self.mode != "exact":
+            return None
+        if info.segments is None:  # one tensor: split=layer gives it its own k
+            return payload_bytes(info.numel, count_for(self.ratio, info.numel), self.value_bytes) \
+                if self.split == "layer" else None
+        k = (sum(count_for(self.ratio, n) for _, n, _ in info.segments) if self.split == "layer"
+             else count_for(self.ratio, info.numel))
+        return payload_bytes(info.numel, k, self.value_bytes)
+
+    def selections(self, items, whole=None):
+        if self.split == "layer":
+            for u, info in items:
+                flat = u.reshape(-1).float()
+                yield self._one(self.score(flat, info, reuse=True), info, count_for(self.ratio, flat.numel()))
             return
         scores = [self.score(u.reshape(-1).float(), info) for u, info in items]
-        sizes = [s.numel() for s in scores]
+        sizes = [sc.numel() for sc in scores]
         total_k = count_for(self.ratio, sum(sizes))
-        if self.split == "global":
-            self._plan_global(items, scores, total_k, self.mode, self.sample)
+        if self.split == "global" or len(items) == 1:
+            if whole is not None:  # the flat record's own indices: nothing to split back
+                yield self._one(torch.cat(scores) if len(scores) > 1 else scores[0], whole, total_k)
+            else:
+                yield self._over(items, scores, total_k)
             return
-        masses = torch.stack([s.double().sum() if s.numel() else torch.zeros((), dtype=torch.float64,
-                                                                             device=s.device)
-                              for s in scores]).tolist()
-        for (u, info), s, k in zip(items, scores, split_budget(total_k, masses, sizes)):
-            self._plan[(info.name, info.step)] = self._select_k(s, k, info)
-
-    def _plan_flat(self, u, info):
-        """A flat bucket record: plan its tensors (``info.segments``) as a bucket of separate tensors,
-        then join their selections into indices of the flat tensor."""
-        flat = u.reshape(-1)
-        subs, off = [], 0
-        for name, n, param in info.segments:
-            subs.append((flat[off:off + n], replace(info, name=name, shape=torch.Size([n]), param=param,
-                                                   segments=None, base_name=None)))
-            off += n
-        if self.split != "layer":
-            self.prepare_bucket(subs)
-        parts, off = [], 0
-        for su, si in subs:
-            idx = self._plan.pop((si.name, si.step), None)
-            if idx is None:
-                idx = self.select(su, si)
-            parts.append(idx + off)
-            off += su.numel()
-        self._plan = {(info.name, info.step): torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)}
+        masses = read(torch.stack([sc.double().sum() if sc.numel() else torch.zeros((), dtype=torch.float64,
+                                                                                      device=sc.device)
+                                   for sc in scores]))
+        for (u, info), sc, k in zip(items, scores, split_budget(total_k, masses, sizes)):
+            yield self._one(sc, info, k)

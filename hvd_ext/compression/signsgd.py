@@ -44,8 +44,9 @@ import warnings
 import torch
 
 from .. import kernels as _K
+from ..ops.device import on_host
 from ..options import Option, non_negative
-from . import _fast, _quant
+from . import _fast
 from ._quant import chunk_means, chunks, expand_chunks
 from .base import Compressor, as_bytes, from_bytes, register
 from .bitpack import packed_bytes
@@ -247,24 +248,18 @@ class MajorityVote(Compressor):
 
     def recompress(self, tensor, info):
         """Two-phase exchange: the owner re-sends its shard's vote as signs (with ``scale=l1`` and the
-        chunk means of |vote|); a tied vote (0) becomes a seeded fair coin, so the shard stays
-        unbiased where one bit cannot say 0."""
+        chunk means of |vote|, a tie counting 0); a tied vote (0) becomes a fair coin drawn from the
+        counter hash, so the shard stays unbiased where one bit cannot say 0."""
         v = tensor.reshape(-1).float()
-        ties = v == 0
-        if bool(ties.any()):
-            coin = torch.rand(v.numel(), generator=_quant.generator(0, info.step, info.name, info.rank)) < 0.5
-            v = torch.where(ties, torch.where(coin.to(v.device), 1.0, -1.0), v)
-            if self.scale == "l1":
-                v = torch.where(ties, v * 0.0, v)  # keep the sign bits, but |0| in the chunk means
-                bits = sign_bits(torch.where(ties, torch.where(coin.to(v.device), 1.0, -1.0), v))
-                return as_bytes(chunk_means(v.abs(), self.bucket), bits), None
+        coin = _fast.uniform(v.numel(), _fast.stream_key_tensor(0, info.name, info.rank, info.step), v.device) < 0.5
+        bits = sign_bits(torch.where(v == 0, torch.where(coin, 1.0, -1.0), v))
         if self.scale == "l1" and v.numel():
-            return as_bytes(chunk_means(v.abs(), self.bucket), sign_bits(v)), None
-        return sign_bits(v), None
+            return as_bytes(chunk_means(v.abs(), self.bucket), bits), None
+        return bits, None
 
     def compress(self, tensor, info):
         v = self._vector(tensor, info)
-        if _K.backend(v) != "cuda" and v.numel():
+        if on_host(v) and v.numel():
             s, bits = sign_compress_cpu(v, self.bucket, self.scale == "l1", self.name)
             return (as_bytes(s, bits) if s is not None else bits), None
         if self.scale == "l1" and v.numel():
@@ -280,7 +275,7 @@ class MajorityVote(Compressor):
 
     def decode(self, data, ctx, info):
         n = info.numel
-        if n and _K.backend(data) != "cuda":
+        if n and on_host(data):
             s, bits = self._split(data, n)
             return sign_aggregate_cpu([bits], [s] if s is not None else [], n, self.bucket, False, self.name)
         s, bits = self._split(data, n)
@@ -292,7 +287,7 @@ class MajorityVote(Compressor):
         if n == 0:
             return torch.zeros(0, device=datas[0].device if datas else None)
         parts = [self._split(d, n) for d in datas]
-        if _K.backend(*datas) != "cuda":
+        if on_host(datas[0]):
             return sign_aggregate_cpu([b for _, b in parts], [s for s, _ in parts if s is not None], n,
                                       self.bucket, True, self.name)
         vote = vote_sum([b for _, b in parts], n)                # N * sign(sum of signs)

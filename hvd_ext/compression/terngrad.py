@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels as _K
+from ..ops.device import on_host
 from ..options import Option, non_negative
 from . import _fast
 from .base import Compressor, as_bytes, from_bytes, register
@@ -71,7 +72,7 @@ class TernGradCompressor(Compressor):
         n = flat.numel()
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device), None
-        if _K.backend(flat) == "cuda":
+        if not on_host(flat):
             if self.clip > 0 and n > 1:
                 c = self.clip * flat.std()
                 flat = flat.clamp(-c, c)
@@ -80,7 +81,7 @@ class TernGradCompressor(Compressor):
             packed = _K.quantize_pack(flat / torch.where(s > 0, s, torch.ones_like(s)), levels, 1.0, 2,
                                       seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
             return as_bytes(s.reshape(1), packed), None
-        key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step, flat.device)
+        key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
         buf = _fast.codes_buffer("terngrad", n, flat.device)
         s = _ENCODE(n, flat.device, tensor.reshape(-1), key, buf[:n], clip=float(self.clip))
         return as_bytes(s.reshape(1), _fast.pack_buffer(buf, n, 2)), None
@@ -94,7 +95,7 @@ class TernGradCompressor(Compressor):
         if n == 0:
             return torch.zeros(0, device=dev)
         parts = [from_bytes(d, 0, torch.float32, 1) for d in datas]
-        if _K.backend(*datas) == "cuda":
+        if not on_host(datas[0]):
             out = None
             for d, (s, off) in zip(datas, parts):
                 dense = (_K.unpack_bits(d[off:], 2, n).float() - 1) * s

@@ -9,8 +9,10 @@ exceed the dense size when tau is small), so ``wire_bytes`` is None.
 """
 from __future__ import annotations
 
+import torch
+
 from ..options import Option, positive
-from ._sparse import SparseCompressor, abs_score, indices_where
+from ._sparse import SparseCompressor, abs_score
 from .base import register
 
 
@@ -21,5 +23,10 @@ class ThresholdCompressor(SparseCompressor):
         "values": Option(str, "fp32", choices=("fp32", "fp16"), help="value precision on the wire"),
     }
 
-    def select(self, flat, info):
-        return indices_where(abs_score(flat), self.tau, strict=True)
+    reads_device = True  # how many coordinates exceed tau is known only from the data
+
+    def selections(self, items, whole=None):
+        for u, info in items:
+            flat = u.reshape(-1)
+            yield self._one(abs_score(flat if flat.dtype == torch.float32 else flat.float()), info, 0, "above",
+                            tau=self.tau)

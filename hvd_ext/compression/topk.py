@@ -11,7 +11,8 @@ Options:
   lowest index, so the selection is deterministic. ``mode=sampled``: the
   threshold is estimated on a random sample of |u| (``sample``, default 1%)
   and applied in one pass, with one refinement when the count is far off
-  (DGC, Lin et al. ICLR 2018); the count stays within [k/2, 1.3k].
+  (DGC, Lin et al. ICLR 2018); the count stays within [k/2, 1.3k]. On a GPU
+  the threshold comes from a histogram of |u| on the device instead (about k).
 * ``values=fp32|fp16``: value precision on the wire (fp16 saturates at +-65504;
   what is not sent exactly stays in the memory).
 * ``scope=model`` (default): one top-k over all tensors of a bucket
@@ -28,8 +29,10 @@ indices per 65536-chunk or int32). ``mode=exact,scope=layer`` has a fixed size,
 """
 from __future__ import annotations
 
+import torch
+
 from ..options import Option, fraction, non_negative
-from ._sparse import SparseCompressor, abs_score, bucket_abs, count_for, payload_bytes, topk_indices
+from ._sparse import SparseCompressor, abs_score, bucket_abs, count_for, payload_bytes
 from .base import register
 
 COMMON_OPTIONS = {
@@ -54,21 +57,21 @@ class TopKCompressor(SparseCompressor):
     def _selects_over_bucket(self):
         return self.scope == "model"  # one top-k over the bucket: the flat record needs no segments
 
-    def select_k(self, score, k, info):
-        if self.mode == "sampled":
-            return self._sampled(score, k, info)
-        return topk_indices(score, k)
-
-    def select(self, flat, info):
-        return self.select_k(abs_score(flat), count_for(self.ratio, flat.numel()), info)
-
-    def prepare_bucket(self, items):
-        """scope=model: plan one top-k over the concatenated |u| of the bucket."""
-        self._plan = {}
-        if self.scope != "model" or not items:
+    def selections(self, items, whole=None):
+        if self.scope == "model":  # one top-k over the concatenated |u| of the bucket
+            cat, sizes = bucket_abs(items)
+            yield self._over(items, (cat, sizes), count_for(self.ratio, cat.numel()))
             return
-        cat, sizes = bucket_abs(items)
-        self._plan_global(items, (cat, sizes), count_for(self.ratio, cat.numel()), self.mode, self.sample)
+        for u, info in items:
+            flat = u.reshape(-1)
+            yield self._one(abs_score(flat if flat.dtype == torch.float32 else flat.float()), info,
+                            count_for(self.ratio, flat.numel()))
+
+    def payload_size(self, info, recoded=False):
+        """Exact top-k sends k entries: per tensor (scope=layer), or per flat bucket record."""
+        if self.mode != "exact" or not (self.scope == "layer" or info.segments is not None):
+            return None
+        return payload_bytes(info.numel, count_for(self.ratio, info.numel), self.value_bytes)
 
     def wire_bytes(self, numel):
         if not self.fixed_size:

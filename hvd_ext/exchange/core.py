@@ -7,14 +7,20 @@ scalars, configuration fingerprints -- goes through one ``Exchange``:
 * ``start_allreduce`` / ``finish_allreduce``: one flat tensor per dtype
   (payloads concatenated, plus one trailing element that carries "some rank
   had a non-finite gradient"), with Horovod's pre/postscale factors;
-* ``start_allgather`` / ``finish_allgather``: one flat ``uint8`` buffer per
-  rank (sizes may differ). Layout of a buffer (little endian, 4-byte
-  aligned)::
+* ``start_allgather`` / ``finish_allgather``: one flat ``uint8`` buffer (a
+  *frame*) per rank (sizes may differ). Layout of a frame (little endian)::
 
       u32 flags (bit 0: non-finite) | u32 n | u32 len_0 .. len_{n-1}
-      | payload_0 (padded to 4) | ... | payload_{n-1} (padded to 4)
+      | payload_0 (padded to 4) | ... | payload_{n-1} (not padded)
 
-* ``start_alltoall`` / ``finish_alltoall``: one such buffer per destination
+  When the codec can say every rank's payload sizes from the shapes
+  (``Compressor.payload_size``) the layout is known everywhere: an allgather,
+  and nothing is read on receipt but the flags, combined on the device. Else
+  the frames travel by an alltoall that sends this rank's to every rank (the
+  bytes of an allgather) and whose received sizes the transport reports on
+  the host; a frame of one payload is then parsed from its size, and frames of
+  several have their headers read, all in one read;
+* ``start_alltoall`` / ``finish_alltoall``: one frame per destination
   rank, sent with a single variable-split alltoall (the first phase of the
   two-phase and sparse reduce-scatter exchanges);
 * ``start_reduce_scatter`` / ``finish_reduce_scatter`` and
@@ -22,6 +28,9 @@ scalars, configuration fingerprints -- goes through one ``Exchange``:
   (the intra-node phases of the node-aware exchange);
 * ``allreduce_average``, ``allreduce_scalar``, ``allgather_object``,
   ``broadcast_object`` for the sync strategies and the optimizer.
+
+Non-finite flags come back as 0-d bool tensors on the payloads' device and header
+checks are deferred (``ops.device.expect``): the pipeline reads them once per step.
 
 ``node_exchanges()`` gives two sub-exchanges over this rank's node and over
 the ranks with the same local rank on every node; they count into the same
@@ -43,9 +52,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..compression._fast import any_nonfinite
+from ..ops.device import expect, nonfinite as nonfinite_flag, read, upload
 from . import cost
-from .transport import HorovodTransport, Transport
+from .transport import HorovodTransport, Transport, offsets
 
 _HDR = 8  # flags + count
 
@@ -99,42 +108,84 @@ def _op_name(op) -> str:
     return names[op]
 
 
-def frame(payloads: Sequence[torch.Tensor], nonfinite: bool, device=None) -> torch.Tensor:
-    """One uint8 buffer holding ``payloads`` (each uint8, 1-D) behind the flag/length header."""
+def frame_size(lens: Sequence[int]) -> int:
+    """Bytes of a frame holding payloads of ``lens`` bytes (every payload but the last padded to 4)."""
+    if not lens:
+        return _HDR
+    return _HDR + 4 * len(lens) + sum(_pad4(ln) for ln in lens[:-1]) + int(lens[-1])
+
+
+def frame(payloads: Sequence[torch.Tensor], nonfinite, device=None) -> torch.Tensor:
+    """One uint8 buffer holding ``payloads`` (each uint8, 1-D) behind the flag/length header. The flag
+    may be a 0-d device tensor (written on the device) or a bool; the lengths go up without blocking."""
     n = len(payloads)
     lens = [int(p.numel()) for p in payloads]
-    dev = device if device is not None else (payloads[0].device if payloads else torch.device("cpu"))
-    header = torch.tensor([1 if nonfinite else 0, n] + lens, dtype=torch.int32).view(torch.uint8)
-    parts = [header.to(dev)]
-    for p, ln in zip(payloads, lens):
+    dev = device if device is not None else (payloads[0].device if payloads else
+                                             (nonfinite.device if isinstance(nonfinite, torch.Tensor) else "cpu"))
+    flag = isinstance(nonfinite, torch.Tensor)
+    header = upload([0 if flag else int(bool(nonfinite)), n] + lens, torch.int32, dev)
+    if flag:
+        header[:1].copy_(nonfinite.reshape(1))
+    parts = [header.view(torch.uint8)]
+    for i, (p, ln) in enumerate(zip(payloads, lens)):
         if p.dtype != torch.uint8:
             raise TypeError(f"exchange payloads must be uint8, got {p.dtype}")
-        parts.append(p.reshape(-1).to(dev))
+        parts.append(p.reshape(-1))
         pad = _pad4(ln) - ln
-        if pad:
+        if pad and i < n - 1:
             parts.append(torch.zeros(pad, dtype=torch.uint8, device=dev))
     return torch.cat(parts)
 
 
-def unframe(buf: torch.Tensor, n: int, who: str) -> Tuple[List[torch.Tensor], bool, int]:
-    """Parse one buffer made by :func:`frame` at the start of ``buf``: (payloads, flag, bytes used)."""
-    if buf.numel() < _HDR:
-        raise RuntimeError(f"hvd_ext exchange: {who} sent {buf.numel()} bytes, less than a header "
-                           "(ranks disagree on the exchange layout)")
-    head = buf[:_HDR].clone().view(torch.int32).tolist()
-    flags, count = head
-    if count != n:
-        raise RuntimeError(f"hvd_ext exchange: {who} sent {count} payloads, expected {n} "
-                           "(ranks disagree on the bucket layout)")
-    lens = buf[_HDR:_HDR + 4 * n].clone().view(torch.int32).tolist() if n else []
-    p = _HDR + 4 * n
+def _gather_words(buf: torch.Tensor, starts: Sequence[int], words: int) -> torch.Tensor:
+    """(len(starts), words) int32: the ``words`` 32-bit words at each byte offset (any alignment),
+    gathered on the device in one operation."""
+    if not starts:
+        return torch.empty(0, words, dtype=torch.int32, device=buf.device)
+    pos = upload(list(starts), torch.int64, buf.device)[:, None] + torch.arange(4 * words, device=buf.device)
+    return buf[pos].contiguous().view(torch.int32).view(len(starts), words)
+
+
+def unframe(buf: torch.Tensor, starts: Sequence[int], sizes: Sequence[int], n: int, who: str,
+            lens: Optional[Sequence[Sequence[int]]] = None) -> Tuple[List[List[torch.Tensor]], torch.Tensor]:
+    """Parse the frames of ``n`` payloads that start at byte ``starts[r]`` of ``buf`` (``sizes[r]``
+    bytes each): ([payloads of frame r], some frame's non-finite flag as a 0-d bool tensor).
+
+    ``lens[r]``: frame r's payload lengths when the receiver knows them (codecs whose sizes follow
+    from the shapes); the headers are then only checked, on the device (a mismatch raises
+    RuntimeError when the step reads its checks). Else the headers are read: one read for all frames."""
+    heads = _gather_words(buf, starts, 2 + n)
+    nonfinite = ((heads[:, 0] & 1) != 0).any() if len(starts) else torch.zeros((), dtype=torch.bool,
+                                                                                device=buf.device)
+    if lens is None and n == 1:  # one payload: the frame's size says its length
+        lens = [[size - _HDR - 4] for size in sizes]
+    if lens is not None:
+        table = [[n] + [int(x) for x in row] for row in lens]
+        want = upload(table, torch.int32, buf.device) if table else heads[:, 1:]
+        expect((heads[:, 1:] == want).all(), f"hvd_ext exchange: {who}: a rank's header does not match the "
+                                             "layout this rank expects (ranks disagree on the bucket layout)",
+               RuntimeError)
+    else:
+        table = _rows(read(heads[:, 1:]), n + 1) if len(starts) else []
     out = []
-    for ln in lens:
-        out.append(buf[p:p + ln])
-        p += _pad4(ln)
-    if p > buf.numel():
-        raise RuntimeError(f"hvd_ext exchange: {who}'s buffer is truncated")
-    return out, bool(flags & 1), p
+    for r, (start, size, row) in enumerate(zip(starts, sizes, table)):
+        if row[0] != n:
+            raise RuntimeError(f"hvd_ext exchange: {who}: rank {r} sent {row[0]} payloads, expected {n} "
+                               "(ranks disagree on the bucket layout)")
+        if size != frame_size(row[1:]):
+            raise RuntimeError(f"hvd_ext exchange: {who}: rank {r}'s frame of {size} bytes does not hold "
+                               f"payloads of {list(row[1:])} bytes (ranks disagree on the exchange layout)")
+        p = start + _HDR + 4 * n
+        parts = []
+        for ln in row[1:]:
+            parts.append(buf[p:p + ln])
+            p += _pad4(ln)
+        out.append(parts)
+    return out, nonfinite
+
+
+def _rows(flat: List[int], width: int) -> List[List[int]]:
+    return [flat[i:i + width] for i in range(0, len(flat), width)]
 
 
 class Exchange:
@@ -278,9 +329,10 @@ class Exchange:
         self._busy.add(tag)
         return buf
 
-    def start_allreduce(self, name: str, payloads: List[torch.Tensor], nonfinite: bool,
+    def start_allreduce(self, name: str, payloads: List[torch.Tensor], nonfinite,
                         reuse: bool = False) -> Pending:
-        """Reduce ``payloads`` (1-D tensors) with one collective per dtype.
+        """Reduce ``payloads`` (1-D tensors) with one collective per dtype. ``nonfinite``: a bool or a 0-d
+        bool tensor (this rank saw a NaN/Inf), carried as one trailing element of the first buffer.
 
         ``reuse=True``: the fused buffers are kept and reused by the next call with the same ``name``,
         so the results :meth:`finish_allreduce` returns (views of them) are valid only until then --
@@ -290,22 +342,21 @@ class Exchange:
             # Adasum is not elementwise-linear across a concatenation: one tensor each
             # (Horovod fuses them itself), the non-finite flag as its own scalar sum.
             handles = [tr.allreduce_async(p, f"{name}.{i}", op="adasum") for i, p in enumerate(payloads)]
-            flag = torch.tensor([1.0 if nonfinite else 0.0])
+            flag = _flag_element(nonfinite, torch.float32, payloads[0].device if payloads else "cpu")
             handles.append(tr.allreduce_async(flag, f"{name}.flag", op="sum"))
             for p in payloads + [flag]:
                 nb = p.numel() * p.element_size()
                 self._count("allreduce", nb, nb, cost.allreduce_wire(nb, N))
-            return Pending("adasum", handles, None)
+            return Pending("adasum", handles, len(payloads))
         groups: Dict[torch.dtype, List[int]] = {}
         for i, p in enumerate(payloads):
             groups.setdefault(p.dtype, []).append(i)
         handles, metas, tags = [], [], []
-        flag_value = 1.0 if nonfinite else 0.0
         first = True
         for dtype, idxs in groups.items():
             parts = [payloads[i].reshape(-1) for i in idxs]
             if first:
-                parts = parts + [torch.full((1,), flag_value, dtype=dtype, device=parts[0].device)]
+                parts = parts + [_flag_element(nonfinite, dtype, parts[0].device)]
             tag = f"{name}.{str(dtype).split('.')[-1]}"
             flat = self._fused(tag, parts, reuse)
             if dtype == torch.bfloat16 or (dtype == torch.float16 and flat.device.type == "cpu" and N > 1):
@@ -320,7 +371,7 @@ class Exchange:
             self._count("allreduce", nb, nb, cost.allreduce_wire(nb, N))
             first = False
         if not payloads:  # still carry the flag so every rank agrees
-            flat = torch.tensor([flag_value])
+            flat = _flag_element(nonfinite, torch.float32, "cpu")
             handles.append(tr.allreduce_async(flat, f"{name}.flag", op="sum"))
             metas.append(([], [], True))
             self._count("allreduce", 4, 4, cost.allreduce_wire(4, N))
@@ -372,62 +423,76 @@ class Exchange:
         mine = self._half_reduce(received.view(dtype).view(N, splits[self.rank]))
         return self._wait(self.transport.allgather_async(self._wire(mine), f"{name}.ag")).view(dtype)
 
-    def finish_allreduce(self, pending: Pending) -> Tuple[List[torch.Tensor], bool]:
+    def finish_allreduce(self, pending: Pending) -> Tuple[List[torch.Tensor], torch.Tensor]:
+        """(the reduced payloads, a 0-d bool tensor: some rank had a non-finite value) -- no host read."""
         outs = [self._finish_half_sum(h) if isinstance(h, Pending) else self._wait(h) for h in pending.handles]
         self._busy.difference_update(pending.extra.get("tags", ()))
         if pending.kind == "adasum":
-            return outs[:-1], bool(outs[-1].item() != 0)
+            return outs[:-1], (outs[-1] != 0).any()
         n, metas = pending.meta
         result: List[Optional[torch.Tensor]] = [None] * n
-        nonfinite = False
+        flags = []
         for flat, (idxs, sizes, has_flag) in zip(outs, metas):
             off = 0
             for i, sz in zip(idxs, sizes):
                 result[i] = flat[off:off + sz]
                 off += sz
             # A NaN/Inf on any rank makes the reduced buffer non-finite (the trailing flag element
-            # is part of it): one sum, and the exact test only when that sum is not finite.
-            nonfinite = nonfinite or any_nonfinite([flat])
+            # is part of it); the flag element says so too when the rank tested its own inputs.
+            flags.append(nonfinite_flag([flat]))
             if has_flag:
-                nonfinite = nonfinite or bool(flat[off].item() != 0)
-        return result, nonfinite
+                flags.append((flat[off] != 0).reshape(()))
+        return result, _any(flags)
 
     # ---- allgather -----------------------------------------------------------------
-    def start_allgather(self, name: str, payloads: List[torch.Tensor], nonfinite: bool) -> Pending:
-        """Gather every rank's ``uint8`` payloads with one collective."""
+    def start_allgather(self, name: str, payloads: List[torch.Tensor], nonfinite,
+                        lens: Optional[List[List[int]]] = None) -> Pending:
+        """Gather every rank's ``uint8`` payloads with one collective. ``lens[r]``: rank r's payload sizes,
+        when every rank knows them (codecs whose sizes follow from the shapes): nothing is read on
+        receipt. Else the frames travel by an alltoall that sends this rank's to every rank (the bytes of
+        an allgather), whose received sizes the transport knows on the host, and the headers are read
+        once."""
         buf = frame(payloads, nonfinite)
-        h = self.transport.allgather_async(buf, name)
-        # received is known only after the collective; counted in finish
         self.stats.bytes_sent += buf.numel()
-        return Pending("allgather", [h], len(payloads), {"own": buf.numel()})
+        N = self.size
+        if lens is not None:
+            if len(lens) != N:
+                raise ValueError(f"start_allgather: payload sizes of {len(lens)} ranks for {N}")
+            h = self.transport.allgather_async(buf, name)
+        else:
+            h = self.transport.alltoall_async(buf.repeat(N) if N > 1 else buf, [buf.numel()] * N, name)
+        return Pending("allgather", [h], len(payloads), {"own": buf.numel(), "lens": lens})
 
-    def finish_allgather(self, pending: Pending) -> Tuple[List[List[torch.Tensor]], bool]:
-        """Return ``per_tensor[i][r]`` = rank r's payload for tensor i, and the global non-finite flag."""
-        buf = self._wait(pending.handles[0])
-        own = pending.extra["own"]
+    def finish_allgather(self, pending: Pending) -> Tuple[List[List[torch.Tensor]], torch.Tensor]:
+        """Return ``per_tensor[i][r]`` = rank r's payload for tensor i, and the global non-finite flag (a 0-d
+        bool tensor)."""
+        got = self._wait(pending.handles[0])
+        own, lens, N = pending.extra["own"], pending.extra["lens"], self.size
+        if lens is not None:
+            buf = got
+            sizes = [frame_size(row) for row in lens]
+            if buf.numel() != sum(sizes):
+                raise RuntimeError(f"hvd_ext exchange: gathered {buf.numel()} bytes from {N} ranks, expected "
+                                   f"{sum(sizes)} (ranks disagree on the exchange layout)")
+        else:
+            buf, sizes = got
+            if sizes is None:
+                raise RuntimeError("hvd_ext exchange: the transport did not say how many bytes each rank sent")
+        starts = [a for a, _ in offsets(sizes)]
+        frames, nonfinite = unframe(buf, starts, sizes, pending.meta, pending.kind, lens)
         recv = buf.numel() - own
         self.stats.bytes_received += recv
-        self.stats.add_wire(self.link, cost.allgather_wire(own, buf.numel(), self.size))
+        self.stats.add_wire(self.link, cost.allgather_wire(own, buf.numel(), N))
         self.stats.collectives += 1
         self.stats.by_kind["allgather"] = self.stats.by_kind.get("allgather", 0) + 1
-        n = pending.meta
-        per_tensor: List[List[torch.Tensor]] = [[] for _ in range(n)]
-        nonfinite = False
-        off, ranks, total = 0, 0, buf.numel()
-        while off < total:
-            parts, flag, used = unframe(buf[off:], n, f"rank {ranks}")
-            for i, p in enumerate(parts):
-                per_tensor[i].append(p)
-            nonfinite = nonfinite or flag
-            off += used
-            ranks += 1
-        if ranks != self.size:
-            raise RuntimeError(f"hvd_ext exchange: parsed {ranks} rank buffers, expected {self.size}")
+        per_tensor = [[frames[r][i] for r in range(N)] for i in range(pending.meta)]
         return per_tensor, nonfinite
 
     # ---- alltoall ------------------------------------------------------------------
-    def start_alltoall(self, name: str, per_dest: List[List[torch.Tensor]], nonfinite: bool) -> Pending:
-        """Send ``per_dest[j]`` (a list of uint8 payloads, the same count for every j) to rank j."""
+    def start_alltoall(self, name: str, per_dest: List[List[torch.Tensor]], nonfinite,
+                       lens: Optional[List[List[int]]] = None) -> Pending:
+        """Send ``per_dest[j]`` (a list of uint8 payloads, the same count for every j) to rank j.
+        ``lens[r]``: the payload sizes source r sends to this rank, when the receiver knows them."""
         N = self.size
         if len(per_dest) != N:
             raise ValueError(f"start_alltoall: {len(per_dest)} destinations for {N} ranks")
@@ -438,21 +503,17 @@ class Exchange:
         h = self.transport.alltoall_async(flat, splits, name)
         me = self.rank
         self.stats.bytes_sent += flat.numel() - splits[me]
-        return Pending("alltoall", [h], n, {"splits": splits})
+        return Pending("alltoall", [h], n, {"splits": splits, "lens": lens})
 
-    def finish_alltoall(self, pending: Pending) -> Tuple[List[List[torch.Tensor]], bool]:
+    def finish_alltoall(self, pending: Pending) -> Tuple[List[List[torch.Tensor]], torch.Tensor]:
         """Return ``per_source[r]`` = the payloads rank r sent to this rank, and the global-so-far flag
-        (set when any source flagged a non-finite gradient)."""
+        (a 0-d bool tensor: some source flagged a non-finite gradient)."""
         received, rsplits = self._wait(pending.handles[0])
         me, n = self.rank, pending.meta
         if rsplits is None:
-            rsplits = self._infer_splits(received, n)
-        out, nonfinite, off = [], False, 0
-        for r, sz in enumerate(rsplits):
-            parts, flag, used = unframe(received[off:off + sz], n, f"rank {r}")
-            out.append(parts)
-            nonfinite = nonfinite or flag
-            off += sz
+            raise RuntimeError("hvd_ext exchange: the transport did not say how many bytes each rank sent")
+        starts = [a for a, _ in offsets(rsplits)]
+        out, nonfinite = unframe(received, starts, rsplits, n, pending.kind, pending.extra["lens"])
         recv = received.numel() - rsplits[me]
         sent = sum(pending.extra["splits"]) - pending.extra["splits"][me]
         self.stats.bytes_received += recv
@@ -462,7 +523,7 @@ class Exchange:
         return out, nonfinite
 
     # ---- dense shards (node-aware exchange, inside a node) ------------------------------
-    def start_reduce_scatter(self, name: str, flat: torch.Tensor, splits: Sequence[int], nonfinite: bool) -> Pending:
+    def start_reduce_scatter(self, name: str, flat: torch.Tensor, splits: Sequence[int], nonfinite) -> Pending:
         """Sum of every rank's ``flat`` (1-D float), piece j (``splits``) to rank j, as one alltoall
         (the bytes of a ring reduce-scatter: (N-1)/N x buffer out). Each piece carries one trailing
         flag element (some rank had a non-finite gradient)."""
@@ -471,7 +532,7 @@ class Exchange:
         if len(splits) != N or sum(splits) != flat.numel():
             raise ValueError(f"start_reduce_scatter: splits {splits} do not cover {flat.numel()} elements "
                              f"over {N} ranks")
-        flag = torch.full((1,), 1.0 if nonfinite else 0.0, dtype=flat.dtype, device=flat.device)
+        flag = _flag_element(nonfinite, flat.dtype, flat.device)
         parts, a = [], 0
         for sz in splits:
             parts += [flat[a:a + sz], flag]
@@ -484,7 +545,7 @@ class Exchange:
         self.stats.bytes_sent += sent
         return Pending("reduce_scatter", [h], splits, {"sent": sent, "esz": esz})
 
-    def finish_reduce_scatter(self, pending: Pending) -> Tuple[torch.Tensor, bool]:
+    def finish_reduce_scatter(self, pending: Pending) -> Tuple[torch.Tensor, torch.Tensor]:
         """(this rank's piece of the sum, the flag: some rank of the group had a non-finite gradient)."""
         received, _ = self._wait(pending.handles[0])
         splits, me, N = pending.meta, self.rank, self.size
@@ -494,7 +555,7 @@ class Exchange:
         for r in range(1, N):  # in rank order: the same sum on every rank that holds the piece
             total.add_(pieces[r])
         flag = total[-1]
-        nonfinite = bool(flag.item() != 0) or not bool(torch.isfinite(flag).item())
+        nonfinite = (flag != 0) | ~torch.isfinite(flag)
         recv = (received.numel() - k) * pending.extra["esz"]
         self.stats.bytes_received += recv
         self.stats.add_wire(self.link, cost.alltoall_wire(pending.extra["sent"], recv))
@@ -518,14 +579,6 @@ class Exchange:
         self.stats.collectives += 1
         self.stats.by_kind["allgather"] = self.stats.by_kind.get("allgather", 0) + 1
         return out
-
-    def _infer_splits(self, received: torch.Tensor, n: int) -> List[int]:
-        splits, off = [], 0
-        for r in range(self.size):
-            _, _, used = unframe(received[off:], n, f"rank {r}")
-            splits.append(used)
-            off += used
-        return splits
 
     # ---- parameter averages, scalars, objects (sync strategies, optimizer) -----------
     def allreduce_average(self, tensors: List[torch.Tensor], name: str) -> Tuple[int, float]:
@@ -574,3 +627,16 @@ class Exchange:
         self.stats.wait_s += time.perf_counter() - t0
         self.stats.collectives += 1
         return out
+
+
+def _flag_element(nonfinite, dtype: torch.dtype, device) -> torch.Tensor:
+    """The non-finite flag as one element of ``dtype`` (1 or 0) on ``device``, for a buffer that carries it."""
+    if isinstance(nonfinite, torch.Tensor):
+        return nonfinite.reshape(1).to(dtype)
+    return torch.full((1,), 1.0 if nonfinite else 0.0, dtype=dtype, device=device)
+
+
+def _any(flags: List[torch.Tensor]) -> torch.Tensor:
+    if not flags:
+        return torch.zeros((), dtype=torch.bool)
+    return torch.stack(flags).any() if len(flags) > 1 else flags[0]

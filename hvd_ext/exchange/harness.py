@@ -13,7 +13,10 @@ world's alltoall, as on Horovod by default; ``node_model``: the node links the
 route choice assumes, e.g. those a real run measured). ``dense_steps``: the dense warm-up the optimizer
 asks for under an adaptive optimizer (``hvd_ext.variance_freeze``). ``overlap``: the pipeline's
 worker thread compresses the buckets (:mod:`hvd_ext.overlap`); the gradients are then handed in
-as backward's hooks do, one parameter at a time in reverse order.
+as backward's hooks do, one parameter at a time in reverse order (``hooks=True`` does so without
+the worker too). ``rank_context(rank)``: a context manager entered on each rank's thread around
+its whole run (an emulated GPU, :mod:`hvd_ext.testing.device`); ``on_phase(rank, phase)`` is
+called with ``"hook"`` before the gradients are handed in and ``"step"`` after.
 """
 from __future__ import annotations
 
@@ -42,7 +45,9 @@ def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *,
                  bucket_bytes: int = 25 * 1024 * 1024, op: str = "average", route: Optional[str] = None,
                  before_step: Optional[Callable[[int, int, Any], None]] = None, timeout: float = 120.0,
                  ranks_per_node: int = 0, process_sets: bool = True, groups: str = "subworld",
-                 dense_steps: int = 0, node_model=None, overlap: bool = False) -> List[RankRun]:
+                 dense_steps: int = 0, node_model=None, overlap: bool = False, hooks: bool = False,
+                 rank_context: Optional[Callable[[int], Any]] = None,
+                 on_phase: Optional[Callable[[int, str], None]] = None) -> List[RankRun]:
     from ..compression import compression_from_spec
     from ..pipeline import GradientPipeline
 
@@ -51,6 +56,16 @@ def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *,
                            groups=groups)
 
     def body(rank, transport):
+        if rank_context is None:
+            return run_rank(rank, transport)
+        with rank_context(rank):
+            return run_rank(rank, transport)
+
+    def phase(rank, name):
+        if on_phase is not None:
+            on_phase(rank, name)
+
+    def run_rank(rank, transport):
         comp = compression_from_spec(spec) if isinstance(spec, str) else spec(rank)
         ex = Exchange(op=op, transport=transport)
         if node_model is not None:  # the links another run measured (a simulated world measures nothing)
@@ -68,9 +83,11 @@ def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *,
             for n, p in named:
                 p.grad = per_rank[rank][n].detach().clone()
             r0, w0 = ex.stats.bytes_received, ex.stats.wire_bytes
-            if overlap:
+            if overlap or hooks:
+                phase(rank, "hook")
                 for _, p in reversed(named):
                     pipe.mark_ready(p)
+                phase(rank, "step")
             pipe.flush()
             run.skipped.append(pipe.finish())
             run.results.append({n: p.grad.detach().clone() for n, p in named})

@@ -47,8 +47,8 @@ from typing import List, Optional
 
 import torch
 
-from ..compression._fast import any_nonfinite
 from ..compression.base import TensorInfo
+from ..ops.device import nonfinite as nonfinite_flag
 from .routes import Route, TensorRecord, flat_record, make_route, split_flat
 from .transport import offsets, split_sizes
 from .twophase import segments
@@ -116,9 +116,6 @@ class NodeAwareRoute(Route):
         flat = flat_record(self.comp, self.inner.name, inner, f"\x00node.{self.tag}")
         self._flat = flat is not None
         send = [flat] if self._flat else inner
-        prepare = getattr(self.comp, "prepare_bucket", None)
-        if prepare is not None and send:
-            prepare([(r.u, r.info) for r in send])
         code0 = self.inner.code_s
         self.inner.start(send, nf)
         self.code_s += time.perf_counter() - t0 - (self.inner.code_s - code0)
@@ -137,26 +134,26 @@ class NodeAwareRoute(Route):
             results = split_flat(results[0], self.inner_records)
             if self._use_mem:  # a bucket_flat codec's contribution does not depend on the result
                 sents = split_flat(self.inner.sent(0, None), self.inner_records)
-        nf = nf or self._nf1
         scale = self.exchange.scale()
         parts = [r.reshape(-1).to(self.dtype) for r in results]
         mine = (torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype, device=self.device)) * scale
-        if not nf and any_nonfinite([mine]):
-            nf = True  # linear codecs: a NaN/Inf reaches the reduced values, not a flag
-        if self._use_mem and not nf:
+        # linear codecs: a NaN/Inf reaches the reduced values, not a flag
+        nf = nf | self._nf1 | nonfinite_flag([mine], mine.device)
+        if self._use_mem:  # staged: the pipeline drops it when the step is skipped
             for k, rec in enumerate(self.inner_records):
                 sent = self.inner.sent(k, results[k]) if sents is None else sents[k]
                 self.memory.stage(rec.name, (rec.u - sent.reshape(rec.u.shape).to(rec.u.dtype)).detach())
-        flag = torch.full((1,), 1.0 if nf else 0.0, dtype=self.dtype, device=mine.device)
+        flag = nf.reshape(1).to(self.dtype)
         self.code_s += time.perf_counter() - t0
         pend = self.local_ex.start_allgather_dense(f"hvd_ext.nag.{self.tag}", torch.cat([mine, flag]))
         got = self.local_ex.finish_allgather_dense(pend)
         t0 = time.perf_counter()
-        pieces, a = [], 0
+        pieces, flags, a = [], [], 0
         for sz in self.shard_sizes:
             pieces.append(got[a:a + sz])
-            nf = nf or bool(got[a + sz].item() != 0)
+            flags.append(got[a + sz])
             a += sz + 1
+        nf = nf | (torch.stack(flags) != 0).any() if flags else nf
         flat = torch.cat(pieces) if pieces else got[:0]
         outs = []
         for (a, b), rec in zip(offsets([r.u.numel() for r in self.records]), self.records):

@@ -66,9 +66,10 @@ class TensorRecord:
 def flat_record(comp: Compressor, route: str, records: List[TensorRecord], name: str) -> Optional[TensorRecord]:
     """One record standing for ``records`` when ``comp`` is ``bucket_flat`` (topk scope=model, sig) and
     the route (its name) sends whole tensors (allgather, sparse_rs): one payload per bucket (or node shard)
-    instead of one per tensor. Its ``TensorInfo.segments`` name the tensors; the feedback keeps
-    working per tensor on :func:`split_flat` of the results. None when the records go as they are."""
-    if len(records) < 2 or not getattr(comp, "bucket_flat", False) or route not in ("allgather", "sparse_rs"):
+    instead of one per tensor, of a size every rank knows. Its ``TensorInfo.segments`` name the tensors;
+    the feedback keeps working per tensor on :func:`split_flat` of the results. None when the records
+    go as they are."""
+    if not records or not getattr(comp, "bucket_flat", False) or route not in ("allgather", "sparse_rs"):
         return None
     u = torch.cat([r.u.reshape(-1).float() for r in records])
     i0 = records[0].info
@@ -115,8 +116,26 @@ class OwnerMemory:
         self._staged = {}
 
 
+def known_sizes(comp: Compressor, infos: List[TensorInfo], payloads: List[torch.Tensor],
+                recoded: bool = False) -> Optional[List[int]]:
+    """The sizes every rank's payloads for ``infos`` have (``Compressor.payload_size``), or None when
+    one depends on the data; checked against this rank's own ``payloads`` (a codec that says a wrong
+    size would make every receiver misread the frames)."""
+    sizes = [comp.payload_size(info, recoded) for info in infos]
+    if any(s is None for s in sizes):
+        return None
+    for info, size, p in zip(infos, sizes, payloads):
+        if p is not None and int(p.numel()) != size:
+            raise RuntimeError(f"hvd_ext: compressor '{comp.name}' says its payload for {info.name!r} has {size} "
+                               f"bytes but made {p.numel()}")
+    return sizes
+
+
 class Route:
     name = "?"
+    # start() reads device values (the alltoall's split sizes depend on the data): on a GPU the
+    # pipeline then starts the bucket after backward (or on the overlap worker), not in a hook
+    reads_on_start = False
 
     def __init__(self, comp: Compressor, exchange: Exchange, tag: str, memory: Optional[OwnerMemory] = None):
         self.comp = comp
@@ -126,7 +145,15 @@ class Route:
         self.records: List[TensorRecord] = []
         self.code_s = 0.0  # seconds spent coding inside the route (decode, re-compress)
 
+    def prepare(self, records: List[TensorRecord]) -> None:
+        """The codec's plan for the records it is about to compress together (``prepare_bucket``: budgets
+        spanning tensors -- topk scope=model, sig, qdist's budget -- and one device read for them all)."""
+        prepare = getattr(self.comp, "prepare_bucket", None)
+        if prepare is not None and records:
+            prepare([(r.u, r.info) for r in records])
+
     def compress_records(self, records: List[TensorRecord]) -> None:
+        self.prepare(records)
         for rec in records:
             rec.payload, rec.ctx = self.comp.compress(rec.u, rec.info)
 
@@ -136,7 +163,8 @@ class Route:
     def progress(self) -> None:
         """Complete a first phase and start the next (no-op for one-phase routes)."""
 
-    def finish(self) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]], bool]:
+    def finish(self) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]], torch.Tensor]:
+        """(averaged dense results, supports, a 0-d bool tensor: some rank had a non-finite gradient)."""
         raise NotImplementedError
 
     def sent(self, i: int, result: torch.Tensor) -> torch.Tensor:
@@ -194,8 +222,11 @@ class AllgatherRoute(Route):
     def start(self, records, nonfinite):
         self.compress_records(records)
         self.records = records
+        # every rank's payloads have these sizes when the codec can say so: nothing to read on receipt
+        lens = known_sizes(self.comp, [r.info for r in records], [r.payload for r in records])
+        lens = [lens] * self.exchange.size if lens is not None else None
         self._pending = self.exchange.start_allgather(f"hvd_ext.ag.{self.tag}", [r.payload for r in records],
-                                                      nonfinite)
+                                                      nonfinite, lens)
 
     def finish(self):
         per_tensor, nf = self.exchange.finish_allgather(self._pending)

@@ -22,17 +22,23 @@ if the entries of the (identical) global result fall unevenly on the owners
 positions -- the same decision on every rank, since all hold the same result.
 Owner residual left outside a rank's new range is sent to its new owner with
 the next step's pairs, so nothing is lost.
+
+Host reads (``docs/gpu.md``): one per step, in ``start`` -- the owner ranges, how many pairs go to
+each owner and how many carried residual entries there are, in one read (the alltoall's split
+sizes must be known on the host). The rebalancing decision stays on the device until then; the
+received pairs are counted from the frames' sizes, which the transport knows.
 """
 from __future__ import annotations
 
 import math
 import time
-from typing import List, Tuple
+from typing import Tuple
 
 import torch
 
 from ..compression._sparse import FP16_MAX, topk_indices
 from ..compression.base import from_bytes
+from ..ops.device import compact, expect, on_host, read, upload
 from .routes import Route
 from .transport import offsets, split_sizes
 
@@ -42,6 +48,11 @@ IMBALANCE = 1.5
 
 def _index_dtype(span: int) -> torch.dtype:
     return torch.int16 if span <= 65536 else torch.int32
+
+
+def pair_bytes(span: int, value_dtype: torch.dtype) -> int:
+    """Bytes of one (value, index) pair for an owner range of ``span`` entries."""
+    return (2 if value_dtype == torch.float16 else 4) + (2 if _index_dtype(span) == torch.int16 else 4)
 
 
 def encode_pairs(idx: torch.Tensor, vals: torch.Tensor, span: int, value_dtype: torch.dtype) -> torch.Tensor:
@@ -62,35 +73,46 @@ def encode_pairs(idx: torch.Tensor, vals: torch.Tensor, span: int, value_dtype: 
 
 
 def decode_pairs(data: torch.Tensor, span: int, value_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    vb = 2 if value_dtype == torch.float16 else 4
-    idt = _index_dtype(span)
-    ib = 2 if idt == torch.int16 else 4
-    if data.numel() % (vb + ib):
+    """(int64 indices in [0, span), float32 values) of a payload of :func:`encode_pairs`. An index outside
+    the range raises ValueError (when the step reads its checks, on a device; it is never used)."""
+    pb = pair_bytes(span, value_dtype)
+    if data.numel() % pb:
         raise ValueError(f"sparse reduce-scatter: payload of {data.numel()} bytes is not a whole number of "
-                         f"{vb + ib}-byte pairs (ranks disagree on the layout?)")
-    k = data.numel() // (vb + ib)
+                         f"{pb}-byte pairs (ranks disagree on the layout?)")
+    k = data.numel() // pb
     vals, off = from_bytes(data, 0, value_dtype, k)
+    idt = _index_dtype(span)
     idx, _ = from_bytes(data, off, idt, k)
     idx = idx.long()
     if idt == torch.int16:
         idx = idx & 0xFFFF
-    if k and int(idx.max()) >= span:
-        raise ValueError(f"sparse reduce-scatter: index {int(idx.max())} outside an owner range of {span}")
+    if k:
+        ok = (idx >= 0) & (idx < span)
+        expect(ok.all(), f"sparse reduce-scatter: an index outside an owner range of {span} (a corrupt payload?)")
+        if not on_host(idx):  # read with the step's checks: keep every write in range meanwhile
+            idx, vals = torch.where(ok, idx, 0), torch.where(ok, vals, torch.zeros_like(vals))
     return idx, vals.float()
+
+
+def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    return t.index_select(0, i.reshape(-1)).reshape(i.shape)
 
 
 class SparseReduceScatterRoute(Route):
     name = "sparse_rs"
+    reads_on_start = True  # how many pairs go to each owner depends on where the entries fall
 
     def _value_dtype(self):
         return getattr(self.comp, "value_dtype", torch.float32)
 
-    def _bounds(self, total: int) -> List[int]:
+    def _bounds(self, total: int, device) -> torch.Tensor:
+        """The owner ranges' edges (N + 1, on the device): the rebalanced ones, else an even split."""
+        N = self.exchange.size
         b = self.memory.memory.get(f"{self.tag}:bounds") if self.memory is not None else None
-        if b is not None and int(b[-1]) == total and b.numel() == self.exchange.size + 1:
-            return [int(x) for x in b.tolist()]
-        sizes = split_sizes(total, self.exchange.size)
-        return [0] + [hi for _, hi in offsets(sizes)]
+        if b is not None and b.numel() == N + 1:
+            return b.to(device)
+        sizes = split_sizes(total, N)
+        return upload([0] + [hi for _, hi in offsets(sizes)], torch.int64, device)
 
     def start(self, records, nonfinite):
         ex, comp = self.exchange, self.comp
@@ -100,31 +122,38 @@ class SparseReduceScatterRoute(Route):
         sizes = [r.u.numel() for r in records]
         self.starts = [a for a, _ in offsets(sizes)]
         self.total = sum(sizes)
-        self.bounds = self._bounds(self.total)
         dev = records[0].u.device if records else torch.device("cpu")
+        bounds = self._bounds(self.total, dev)
         gi, gv = [], []
         for rec, s in zip(records, self.starts):
             idx, vals = comp.sparse_entries(rec.payload, rec.ctx, rec.info)
             gi.append(idx.to(dev) + s)
             gv.append(vals.to(dev).float())
-        # owner residual outside this rank's range (after a rebalance) travels to its new owner
-        key = f"{self.tag}:owner"
-        mem = self.memory.memory.get(key) if self.memory is not None else None
-        lo, hi = self.bounds[me], self.bounds[me + 1]
-        self._mem = None
-        if mem is not None and mem.numel() == self.total:
-            outside = torch.cat([mem[:lo], mem[hi:]]).nonzero().squeeze(1)
-            if outside.numel():
-                pos = torch.where(outside < lo, outside, outside + (hi - lo))
-                gi.append(pos.to(dev))
-                gv.append(mem[pos].to(dev))
-            self._mem = mem[lo:hi]
         g = torch.cat(gi) if gi else torch.empty(0, dtype=torch.long, device=dev)
         v = torch.cat(gv) if gv else torch.empty(0, device=dev)
-        if len(gi) > len(records):  # carried entries break the ascending order
-            g, order = g.sort()
-            v = v[order]
-        cuts = torch.searchsorted(g, torch.tensor(self.bounds, device=g.device)).tolist()
+        # owner residual outside this rank's range (after a rebalance) travels to its new owner
+        mem = self.memory.memory.get(f"{self.tag}:owner") if self.memory is not None else None
+        carry = None
+        if mem is not None and mem.numel() == self.total:
+            mem = mem.to(dev)
+            pos = torch.arange(self.total, device=dev)
+            carry = (mem != 0) & ((pos < bounds[me]) | (pos >= bounds[me + 1]))
+            before = torch.cat([carry.new_zeros(1, dtype=torch.int64), torch.cumsum(carry, 0)])
+            per_owner = _at(before, bounds[1:]) - _at(before, bounds[:-1])
+        else:
+            per_owner = torch.zeros(N, dtype=torch.int64, device=dev)
+        # the one read of the step: the ranges, where the selected entries fall, the carried entries
+        cuts_g = torch.searchsorted(g, bounds)
+        got = read(torch.cat([bounds, cuts_g, per_owner]))
+        self.bounds = got[:N + 1]
+        cuts_g, carried = got[N + 1:2 * N + 2], got[2 * N + 2:]
+        lo, hi = self.bounds[me], self.bounds[me + 1]
+        self._mem = mem[lo:hi] if mem is not None and mem.numel() == self.total else None
+        if sum(carried):
+            pos = compact(carry, sum(carried))
+            g, order = torch.cat([g, pos]).sort()
+            v = torch.cat([v, mem[pos]])[order]
+        cuts = [c + sum(carried[:j]) for j, c in enumerate(cuts_g)]
         vdt = self._value_dtype()
         per_dest = []
         for j in range(N):
@@ -150,12 +179,12 @@ class SparseReduceScatterRoute(Route):
         for r in range(N):
             idx, vals = decode_pairs(per_source[r][0], span, vdt)
             received += idx.numel()
-            s.index_add_(0, idx.to(dev), vals.to(dev))
+            s.index_add_(0, idx, vals)
         if self._mem is not None:
-            s = s + self._mem.to(s.device)
+            s = s + self._mem
         budget = min(span, math.ceil(received / N))
         sel = topk_indices(s.abs(), budget)
-        if self.memory is not None and not nf:
+        if self.memory is not None:  # staged: dropped by the pipeline when the step is skipped
             rest = s.clone()
             rest[sel] = 0.0
             full = torch.zeros(self.total, dtype=torch.float32, device=dev)
@@ -175,12 +204,12 @@ class SparseReduceScatterRoute(Route):
         for owner in range(ex.size):
             lo, hi = self.bounds[owner], self.bounds[owner + 1]
             idx, vals = decode_pairs(per_slot[0][owner], hi - lo, torch.float32)
-            flat[lo + idx.to(dev)] = vals.to(dev)
+            flat[lo + idx] = vals
         support = flat != 0
         flat.mul_(ex.scale())
         step = self.records[0].info.step if self.records else 0
-        if not nf and (step + 1) % REBALANCE_EVERY == 0:
-            self._rebalance(support)
+        if (step + 1) % REBALANCE_EVERY == 0:
+            self._rebalance(support, nf)
         want_support = getattr(comp.feedback, "needs_support", False)
         outs, sups = [], []
         for rec, s in zip(self.records, self.starts):
@@ -191,19 +220,23 @@ class SparseReduceScatterRoute(Route):
         self._p1 = self._p2 = None
         return outs, sups, nf
 
-    def _rebalance(self, support: torch.Tensor) -> None:
-        """Move the owner ranges to the quantiles of the selected positions when they are uneven."""
+    def _rebalance(self, support: torch.Tensor, nonfinite: torch.Tensor) -> None:
+        """Move the owner ranges to the quantiles of the selected positions when they are uneven: the
+        same decision on every rank (all hold the same result), computed on the device and staged (the
+        next ``start`` reads the ranges with its split sizes)."""
         N = self.exchange.size
-        pos = support.nonzero().squeeze(1)
-        m = pos.numel()
-        if m < 2 * N or self.memory is None:
+        if self.memory is None:
             return
-        counts = torch.tensor([int(((pos >= self.bounds[j]) & (pos < self.bounds[j + 1])).sum())
-                               for j in range(N)])
-        if counts.max().item() <= IMBALANCE * m / N:
-            return
-        cut = [int(pos[(j * m) // N].item()) for j in range(1, N)]
-        new = [0] + cut + [self.total]
-        for j in range(1, N + 1):  # non-decreasing
-            new[j] = max(new[j], new[j - 1])
-        self.memory.stage(f"{self.tag}:bounds", torch.tensor(new, dtype=torch.long))
+        dev = support.device
+        csum = torch.cumsum(support, 0)
+        m = csum[-1] if csum.numel() else torch.zeros((), dtype=torch.int64, device=dev)
+        old = upload(self.bounds, torch.int64, dev)
+        before = torch.cat([csum.new_zeros(1), csum])
+        counts = _at(before, old[1:]) - _at(before, old[:-1])
+        uneven = (counts.max() > IMBALANCE * m / N) & (m >= 2 * N) & ~nonfinite
+        # the j-th cut sits at the position of the (j m / N)-th selected entry (0-based)
+        want = (torch.arange(1, N, device=dev) * m) // N
+        cut = torch.searchsorted(csum, want + 1)
+        new = torch.cat([old[:1], cut, old[-1:]])
+        new = torch.cummax(new, 0).values  # non-decreasing
+        self.memory.stage(f"{self.tag}:bounds", torch.where(uneven, new, old))

@@ -29,7 +29,7 @@ from typing import List, Tuple
 import torch
 
 from ..compression.base import TensorInfo
-from .routes import Route, TensorRecord
+from .routes import Route, TensorRecord, known_sizes
 from .transport import offsets, split_sizes
 
 
@@ -63,6 +63,7 @@ class TwoPhaseRoute(Route):
         ex, comp = self.exchange, self.comp
         N, me = ex.size, ex.rank
         self.records = records
+        self.prepare(records)  # per tensor, before the tensors are cut into shards
         self.segs = segments([r.u.numel() for r in records], N)
         flats = [r.u.reshape(-1) for r in records]
         self.own: List[List[tuple]] = []  # per shard: [(seg info, payload, ctx)] of this rank
@@ -78,9 +79,19 @@ class TwoPhaseRoute(Route):
             per_dest.append(pays)
         # every destination gets the same number of payloads: pad with empty ones
         self.width = max(len(s) for s in self.segs)
-        empty = torch.empty(0, dtype=torch.uint8)
+        dev = flats[0].device if flats else torch.device("cpu")
+        empty = torch.empty(0, dtype=torch.uint8, device=dev)
         per_dest = [p + [empty] * (self.width - len(p)) for p in per_dest]
-        self._p1 = ex.start_alltoall(f"hvd_ext.tp1.{self.tag}", per_dest, nonfinite)
+        # Sizes that follow from the shapes: every source sends this rank payloads of the sizes of its
+        # own for the same segments, and every owner's re-coded shard has sizes every rank can say --
+        # nothing to read on receipt.
+        pad = lambda row: row + [0] * (self.width - len(row))  # noqa: E731
+        mine = known_sizes(comp, [info for info, _, _ in self.own[me]], [p for _, p, _ in self.own[me]])
+        owners = [known_sizes(comp, [self._seg_info(records[i], a, b, j, owner=True) for (i, a, b) in self.segs[j]],
+                              [None] * len(self.segs[j]), recoded=True) for j in range(N)]
+        self._lens = [pad(row) for row in owners] if all(row is not None for row in owners) else None
+        self._p1 = ex.start_alltoall(f"hvd_ext.tp1.{self.tag}", per_dest, nonfinite,
+                                     [pad(mine)] * N if mine is not None else None)
         self._p2 = None
 
     def progress(self):
@@ -104,12 +115,13 @@ class TwoPhaseRoute(Route):
             if use_mem:
                 avg = avg + self.memory.get(oinfo.name, avg)
             payload, octx = comp.recompress(avg, oinfo)
-            if use_mem and not nf:
+            if use_mem:  # staged: the pipeline drops it when the step is skipped (non-finite)
                 self.memory.stage(oinfo.name, avg - comp.decode(payload, octx, oinfo))
             pays.append(payload)
-        pays += [torch.empty(0, dtype=torch.uint8)] * (self.width - len(pays))
+        dev = self.records[0].u.device if self.records else torch.device("cpu")
+        pays += [torch.empty(0, dtype=torch.uint8, device=dev)] * (self.width - len(pays))
         self.code_s += time.perf_counter() - t0
-        self._p2 = ex.start_allgather(f"hvd_ext.tp2.{self.tag}", pays, nf)
+        self._p2 = ex.start_allgather(f"hvd_ext.tp2.{self.tag}", pays, nf, self._lens)
 
     def finish(self):
         self.progress()

@@ -72,11 +72,11 @@ class DGCMomentumFeedback(MomentumTakeover, Feedback):
     def compensate(self, name, grad, info):
         self._check_optimizer(info)
         g = grad
-        if self.clip > 0:
+        if self.clip > 0:  # decided on the device: no read of the norm
             limit = self.clip / math.sqrt(max(int(getattr(info, "size", 1)), 1))
-            norm = float(g.float().norm())
-            if math.isfinite(norm) and norm > limit:
-                g = g * (limit / norm)
+            norm = g.float().norm()
+            clip = torch.isfinite(norm) & (norm > limit)
+            g = g * torch.where(clip, limit / torch.where(clip, norm, torch.ones_like(norm)), 1.0).to(g.dtype)
         u_old = self.memory.get(name + _U)
         v_old = self.memory.get(name + _V)
         u = g.clone() if u_old is None else u_old * self.momentum + g
