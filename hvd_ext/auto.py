@@ -320,7 +320,7 @@ class AutoTuner:
         return out
 
     def _probe_link(self) -> Dict[str, float]:
-        ex, N = self.pipe.exchange, self.pipe.size
+        N = self.pipe.size
         from .exchange import cost
         from .exchange.probe import best_time
 

@@ -82,7 +82,7 @@ import torch
 
 # the torch bit-packing implementation (absolute import: this file is also loaded standalone by tests)
 from hvd_ext.compression import bitpack as _bitpack
-from hvd_ext.ops.device import compact, expect, on_host, read, upload
+from hvd_ext.ops.device import compact, expect, in_range, on_host, read, upload
 
 __all__ = [
     "use_reference", "use_runtime", "backend", "kernel_dir", "kernel_source", "kernel_signatures",
@@ -747,12 +747,11 @@ def sparse_scatter_add_reference(out: torch.Tensor, indices_list: Sequence[torch
     s = torch.tensor(np.float32(scale))
     for idx, val in zip(indices_list, values_list):
         if idx.numel():
-            i = idx.reshape(-1).to(device=flat.device, dtype=torch.int64)
+            raw = idx.reshape(-1).to(device=flat.device, dtype=torch.int64)
             v = val.reshape(-1).to(device=flat.device, dtype=torch.float32)
-            ok = (i >= 0) & (i < n)
-            expect(ok.all(), f"sparse_scatter_add: an index outside [0, {n}) (a corrupt payload?)")
-            if not on_host(i):  # the check is read later: keep the write in bounds meanwhile
-                i, v = torch.where(ok, i, 0), torch.where(ok, v, 0.0)
+            i = in_range(raw, n, "sparse_scatter_add")
+            if i is not raw:  # out-of-range entries were redirected to 0: they add nothing
+                v = torch.where((raw >= 0) & (raw < n), v, 0.0)
             if scale != 1.0:
                 v = v * s
             flat.index_add_(0, i, v.to(flat.dtype))

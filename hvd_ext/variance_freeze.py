@@ -40,7 +40,7 @@ is one of the above and the codec keeps an error-feedback memory -- see ``needs_
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 

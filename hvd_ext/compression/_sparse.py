@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .. import kernels as _K
-from ..ops.device import expect, on_host, read, upload
+from ..ops.device import expect, in_range, on_host, read, upload
 from . import _fast
 from .base import Compressor, TensorInfo, from_bytes
 
@@ -152,10 +152,7 @@ def unpack(data: torch.Tensor, n: int, vdtype: torch.dtype = torch.float32) -> T
                                          output_size=k)
             idx = idx + (hi << 16)
     if k:
-        ok = (idx >= 0) & (idx < n)
-        expect(ok.all(), f"sparse payload: an index outside [0, {n}) (a corrupt payload?)")
-        if not on_host(idx):  # read with the step's checks: keep every use in range meanwhile
-            idx = torch.where(ok, idx, 0)
+        idx = in_range(idx, n, "sparse payload")
     return idx, vals.float()
 
 

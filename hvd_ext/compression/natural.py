@@ -18,7 +18,8 @@ import torch
 
 from .. import kernels as _K
 from ..options import Option, non_negative
-from . import _fast
+from ..ops.device import on_host
+from . import _fast, _quant
 from .base import Compressor, register
 from .bitpack import packed_bytes
 
@@ -39,9 +40,12 @@ class NaturalCompressor(Compressor):
         sign = (bits >> 31).to(torch.uint8)
         exp = (bits >> 23) & 0xFF
         mant = bits & (_MANT - 1)
-        # 23 random bits per element from the counter hash (any device, nothing to copy)
-        key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
-        u = _fast.hash32(torch.arange(n, dtype=torch.int32, device=flat.device), key) & (_MANT - 1)
+        if on_host(flat):  # 23 random bits per element from a generator of (seed, step, name, rank)
+            g = _quant.generator(self.seed, info.step, info.name, info.rank)
+            u = torch.randint(0, _MANT, (n,), generator=g)
+        else:  # on a device from the counter hash (no generator there, nothing to copy)
+            key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
+            u = _fast.hash32(torch.arange(n, dtype=torch.int32, device=flat.device), key) & (_MANT - 1)
         sub = exp == 0  # zero or subnormal: |x| = mant * 2^-149, round to 0 or 2^-126 (exp 1)
         up = u < mant
         exp = exp + up.long()

@@ -33,7 +33,7 @@ import zlib
 import torch
 
 from .. import kernels as _K
-from ..ops.device import expect, on_host
+from ..ops.device import in_range
 from ..feedback.residual import compress_momentum
 from ..options import Option, fraction, non_negative
 from .base import Compressor, as_bytes, from_bytes, register
@@ -113,12 +113,7 @@ class RandomKCompressor(Compressor):
         k = data.numel() // 8
         idx, off = from_bytes(data, 0, torch.int32, k)
         val, _ = from_bytes(data, off, torch.float32, k)
-        idx = idx.long()
-        if k:
-            ok = (idx >= 0) & (idx < n)
-            expect(ok.all(), f"randomk: an index outside [0, {n}) (a corrupt payload?)")
-            if not on_host(idx):  # read with the step's checks: keep the writes in range meanwhile
-                idx = torch.where(ok, idx, 0)
+        idx = in_range(idx.long(), n, "randomk") if k else idx.long()
         return idx, val
 
     def sparse_entries(self, payload, ctx, info):

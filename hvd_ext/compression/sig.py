@@ -77,15 +77,16 @@ class SignificanceCompressor(SparseCompressor):
         return payload_bytes(info.numel, k, self.value_bytes)
 
     def selections(self, items, whole=None):
-        if self.split == "layer":
+        if self.split == "layer" or len(items) == 1:  # a budget per tensor: scored one at a time
             for u, info in items:
                 flat = u.reshape(-1).float()
-                yield self._one(self.score(flat, info, reuse=True), info, count_for(self.ratio, flat.numel()))
+                who = whole if whole is not None and len(items) == 1 else info
+                yield self._one(self.score(flat, info, reuse=True), who, count_for(self.ratio, flat.numel()))
             return
         scores = [self.score(u.reshape(-1).float(), info) for u, info in items]
         sizes = [sc.numel() for sc in scores]
         total_k = count_for(self.ratio, sum(sizes))
-        if self.split == "global" or len(items) == 1:
+        if self.split == "global":
             if whole is not None:  # the flat record's own indices: nothing to split back
                 yield self._one(torch.cat(scores) if len(scores) > 1 else scores[0], whole, total_k)
             else:

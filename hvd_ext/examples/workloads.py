@@ -30,7 +30,6 @@ all of them and agrees on the number of steps per epoch.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path

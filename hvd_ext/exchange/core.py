@@ -52,7 +52,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..ops.device import expect, nonfinite as nonfinite_flag, read, upload
+from ..ops.device import expect, nonfinite as nonfinite_flag, on_host, read, upload
 from . import cost
 from .transport import HorovodTransport, Transport, offsets
 
@@ -154,11 +154,19 @@ def unframe(buf: torch.Tensor, starts: Sequence[int], sizes: Sequence[int], n: i
     ``lens[r]``: frame r's payload lengths when the receiver knows them (codecs whose sizes follow
     from the shapes); the headers are then only checked, on the device (a mismatch raises
     RuntimeError when the step reads its checks). Else the headers are read: one read for all frames."""
+    if lens is None and n == 1:  # one payload: the frame's size says its length
+        lens = [[size - _HDR - 4] for size in sizes]
+    if on_host(buf):  # reading costs nothing here: the headers as Python ints, checked at once
+        heads = [_words(buf, s, 2 + n) for s in starts]
+        nonfinite = torch.tensor(any(h[0] & 1 for h in heads))
+        table = [h[1:] for h in heads]
+        if lens is not None and table != [[n] + [int(x) for x in row] for row in lens]:
+            raise RuntimeError(f"hvd_ext exchange: {who}: a rank's header does not match the layout this rank "
+                               "expects (ranks disagree on the bucket layout)")
+        return _split_frames(buf, starts, sizes, n, who, table), nonfinite
     heads = _gather_words(buf, starts, 2 + n)
     nonfinite = ((heads[:, 0] & 1) != 0).any() if len(starts) else torch.zeros((), dtype=torch.bool,
                                                                                 device=buf.device)
-    if lens is None and n == 1:  # one payload: the frame's size says its length
-        lens = [[size - _HDR - 4] for size in sizes]
     if lens is not None:
         table = [[n] + [int(x) for x in row] for row in lens]
         want = upload(table, torch.int32, buf.device) if table else heads[:, 1:]
@@ -167,6 +175,16 @@ def unframe(buf: torch.Tensor, starts: Sequence[int], sizes: Sequence[int], n: i
                RuntimeError)
     else:
         table = _rows(read(heads[:, 1:]), n + 1) if len(starts) else []
+    return _split_frames(buf, starts, sizes, n, who, table), nonfinite
+
+
+def _words(buf: torch.Tensor, start: int, words: int) -> List[int]:
+    """The 32-bit words at byte ``start`` of a host buffer, as Python ints (any alignment)."""
+    return buf[start:start + 4 * words].clone().view(torch.int32).tolist()
+
+
+def _split_frames(buf, starts, sizes, n, who, table) -> List[List[torch.Tensor]]:
+    """The payloads of every frame, from its header's lengths (``table[r]``: count, then lengths)."""
     out = []
     for r, (start, size, row) in enumerate(zip(starts, sizes, table)):
         if row[0] != n:
@@ -181,7 +199,7 @@ def unframe(buf: torch.Tensor, starts: Sequence[int], sizes: Sequence[int], n: i
             parts.append(buf[p:p + ln])
             p += _pad4(ln)
         out.append(parts)
-    return out, nonfinite
+    return out
 
 
 def _rows(flat: List[int], width: int) -> List[List[int]]:

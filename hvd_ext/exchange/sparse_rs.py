@@ -38,7 +38,7 @@ import torch
 
 from ..compression._sparse import FP16_MAX, topk_indices
 from ..compression.base import from_bytes
-from ..ops.device import compact, expect, on_host, read, upload
+from ..ops.device import compact, in_range, read, upload
 from .routes import Route
 from .transport import offsets, split_sizes
 
@@ -87,10 +87,10 @@ def decode_pairs(data: torch.Tensor, span: int, value_dtype: torch.dtype) -> Tup
     if idt == torch.int16:
         idx = idx & 0xFFFF
     if k:
-        ok = (idx >= 0) & (idx < span)
-        expect(ok.all(), f"sparse reduce-scatter: an index outside an owner range of {span} (a corrupt payload?)")
-        if not on_host(idx):  # read with the step's checks: keep every write in range meanwhile
-            idx, vals = torch.where(ok, idx, 0), torch.where(ok, vals, torch.zeros_like(vals))
+        raw = idx
+        idx = in_range(raw, span, "sparse reduce-scatter")
+        if idx is not raw:  # out-of-range entries were redirected to 0: they add nothing
+            vals = torch.where((raw >= 0) & (raw < span), vals, torch.zeros_like(vals))
     return idx, vals.float()
 
 

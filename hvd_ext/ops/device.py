@@ -25,7 +25,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Type
 
 import torch
 
-__all__ = ["on_host", "upload", "upload_tensor", "read", "Timer", "nonfinite", "any_nonfinite", "compact", "Checks", "deferred_checks",
+__all__ = ["on_host", "upload", "upload_tensor", "read", "Timer", "in_range", "nonfinite", "any_nonfinite", "compact", "Checks", "deferred_checks",
            "expect", "read_step"]
 
 
@@ -173,6 +173,21 @@ def expect(ok, message: str, error: Type[Exception] = ValueError) -> None:
             raise error(message)
         return
     chk.add(ok.reshape(()), message, error)
+
+
+def in_range(idx: torch.Tensor, n: int, what: str) -> torch.Tensor:
+    """``idx`` (integer) must lie in [0, n), else ValueError naming ``what``. On the host checked at once
+    (one min/max pass); on a device with the step's checks, and the indices returned clamped into the
+    range meanwhile, so that nothing is written out of bounds before the step reads its checks."""
+    if on_host(idx):
+        if idx.numel():
+            lo, hi = torch.aminmax(idx)
+            if int(lo) < 0 or int(hi) >= n:
+                raise ValueError(f"{what}: an index outside [0, {n}) (a corrupt payload?)")
+        return idx
+    ok = (idx >= 0) & (idx < n)
+    expect(ok.all(), f"{what}: an index outside [0, {n}) (a corrupt payload?)")
+    return torch.where(ok, idx, 0)
 
 
 def read_step(flags: Sequence[torch.Tensor], checks: Optional[Checks] = None) -> bool:
