@@ -4,11 +4,14 @@
     horovodrun -np 2 --gloo python benchmarks/overhead.py                       # main-job CNN
     horovodrun -np 2 --gloo python benchmarks/overhead.py --model synthetic     # 10.7M parameters
     horovodrun -np 2 --gloo python benchmarks/overhead.py --profile none        # cProfile one method (rank 0)
+    horovodrun -np 2 --gloo python benchmarks/overhead.py --methods auto auto-choice --warmup 150
+                                                   # auto's steady state against the fixed codec it chose
 
 Each method (``horovod`` = ``hvd.DistributedOptimizer``; ``compute`` = the same
 step with no exchange, the floor; anything else is an hvd_ext spec) gets its own model and optimizer, and the methods take turns:
 ``--rounds`` rounds of ``--steps`` timed steps each, so machine noise hits every
-method alike. Reported: median ms/step over rounds and the ratio to
+method alike. ``auto-choice`` is the fixed codec ``auto`` chose (the same on every bucket), built
+after the ``--warmup`` steps in which auto decided. Reported: median ms/step over rounds and the ratio to
 ``horovod`` measured in the same job. Use ``--json`` to keep the figures.
 """
 from __future__ import annotations
@@ -48,6 +51,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per method first (auto decides in them)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--bucket-bytes", type=int, default=None, help="hvd_ext bucket size (default: the optimizer's)")
     p.add_argument("--profile", default=None, help="cProfile this method on rank 0 and print the top entries")
@@ -60,7 +64,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     runs = {}
-    for m in args.methods:
+
+    def make(m):
         model, make_x, classes = build(args.model, args.channels)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if m == "horovod":
@@ -72,7 +77,7 @@ def main(argv=None):
             opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=m, **kw)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         x, y = make_x(args.batch), torch.randint(0, classes, (args.batch,))
-        runs[m] = (model, opt, x, y)
+        return model, opt, x, y
 
     def one_step(m):
         model, opt, x, y = runs[m]
@@ -80,10 +85,21 @@ def main(argv=None):
         F.cross_entropy(model(x), y).backward()
         opt.step()
 
+    for m in args.methods:
+        if m != "auto-choice":
+            runs[m] = make(m)
+            for _ in range(args.warmup):  # first exchanges, allocations; auto's decisions
+                one_step(m)
+    if "auto-choice" in args.methods:  # the fixed codec auto chose, built once it has chosen
+        choice = runs["auto"][1].stats.extra["auto"]["choice"]
+        if len(set(choice)) != 1:
+            raise SystemExit(f"auto-choice: auto chose different codecs per bucket ({choice}); no one fixed codec")
+        if hvd.rank() == 0:
+            print(f"auto-choice = {choice[0]}")
+        runs["auto-choice"] = make(choice[0])
+        for _ in range(args.warmup):
+            one_step("auto-choice")
     n_params = sum(q.numel() for q in runs[args.methods[0]][0].parameters())
-    for m in args.methods:  # warm-up (first exchanges, allocations)
-        for _ in range(3):
-            one_step(m)
     times = {m: [] for m in args.methods}
     prof = cProfile.Profile() if args.profile and hvd.rank() == 0 else None
     for r in range(args.rounds):

@@ -19,6 +19,12 @@ on and decides per bucket:
 
       t(b, c) = collectives(r) x lat + wire_bytes(r, payload(c, b), N) / bw + code_time(c, b, r)
 
+* **accuracy guard** (``accuracy=strict``, the default) -- before any timing counts, a lossy
+  candidate is *eligible* on a bucket only if its error ratio with error feedback, measured on that
+  bucket's own gradients during the warm-up, is within ``bound``
+  (:mod:`hvd_ext.accuracy_guard`); ineligible candidates are neither predicted, tried nor chosen.
+  The verdict depends on the gradients alone, so the same job picks from the same set on a quiet
+  and on a busy machine. ``accuracy=relaxed`` (warned) chooses by speed alone;
 * **choice** -- candidates are listed from the most to the least accurate;
   the bucket takes the first whose ``t(b, c)`` is within ``slack`` (5%) of
   the predicted step time (compute, measured as the step period minus the
@@ -65,7 +71,7 @@ its step is within 1.06-1.10x of top-1%'s. With both listed, auto moved from
 3% to 1% once 3% had run (its measured cost put 1% outside the slack) and
 ended 4 points below ``none``.
 
-Spec: ``auto`` or ``auto:every=1000,warmup=5,candidates=none,fp16,topk:ratio=0.01,scope=layer``
+Spec: ``auto`` or ``auto:every=1000,warmup=5,accuracy=strict,bound=0.5,candidates=none,fp16,topk:ratio=0.01``
 (``candidates=`` comes last; a comma-separated item with a ``:`` or without
 ``=`` starts a new candidate, other ``key=value`` items belong to the
 candidate before them).
@@ -73,10 +79,12 @@ candidate before them).
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from .accuracy_guard import DEFAULT_BOUND, AccuracyGuard
 from .compression.base import VARIANCE_OPTIONS, Compressor, Continue, TensorInfo, variance_warmup_option
 from .ops.device import Timer
 from .options import Option, resolve_options
@@ -104,6 +112,11 @@ AUTO_OPTIONS = {
                       help="exchanges over which a replaced codec's memory is sent"),
     "margin": Option(float, 0.15, "0 <= margin < 1", lambda v: 0 <= v < 1,
                      help="predicted gain a new choice needs over the current one"),
+    "accuracy": Option(str, "strict", "strict or relaxed", choices=("strict", "relaxed"),
+                       help="strict: a lossy candidate is used on a bucket only if the accuracy guard finds its "
+                            "error within 'bound' (hvd_ext.accuracy_guard); relaxed: by speed alone"),
+    "bound": Option(float, DEFAULT_BOUND, "0 < bound <= 10", lambda v: 0 < v <= 10,
+                    help="the guard's largest error ratio q of an eligible codec (hvd_ext.accuracy_guard)"),
     "trial": Option(int, 20, "int >= 0", lambda v: v >= 0,
                     help="exchanges each contender runs when the model cannot separate them (0: trust the model)"),
 }
@@ -240,6 +253,15 @@ class AutoTuner:
         self._codec_rows: Optional[tuple] = None  # (bucket sizes, this rank's last codec timings)
         self._trial: Optional[Dict[str, Any]] = None  # contenders being measured (see _contenders)
         self._strikes = 0  # drift checks in a row outside [0.5x, 2x] of the prediction
+        # accuracy=strict: which lossy candidates each bucket may use, from its warm-up gradients
+        self.guard: Optional[AccuracyGuard] = None
+        if auto.accuracy == "strict" and any(not c.lossless for c in auto.candidates):
+            self.guard = AccuracyGuard(auto.candidates, auto.bound)
+        elif auto.accuracy == "relaxed" and pipeline.rank == 0:
+            warnings.warn("hvd_ext auto: accuracy=relaxed: candidates are chosen by speed alone, so a coarse "
+                          "codec can cost accuracy against compression='none' (top-k at 1% lost points in "
+                          "benchmarks/auto_trust.py); the default accuracy=strict uses a lossy codec only "
+                          "where its measured error is within 'bound'", RuntimeWarning, stacklevel=4)
 
     @staticmethod
     def dense_index(auto: AutoCompression) -> int:
@@ -263,6 +285,8 @@ class AutoTuner:
 
     def after_step(self) -> None:
         step, a = self.pipe.step, self.auto
+        if self.guard is not None and self.guard.ratio is None and self.guard.kept():
+            self.guard.measure(self.pipe.buckets, self._roundtrip)
         if step < max(a.warmup, getattr(self.pipe, "dense_steps", 0)):  # dense warm-up (variance_freeze)
             return
         if self._trial is not None:
@@ -293,6 +317,8 @@ class AutoTuner:
 
     def release(self, name: str, g: torch.Tensor) -> torch.Tensor:
         """``g`` plus this step's share of ``name``'s debt (staged until ``commit``)."""
+        if self.guard is not None and self.guard.ratio is None:
+            self.guard.keep(name, g)  # the warm-up's local gradient, for the accuracy guard
         d = self.debt.get(name)
         if d is None:
             return g
@@ -311,6 +337,8 @@ class AutoTuner:
 
     def discard(self) -> None:
         self._released = {}
+        if self.guard is not None:
+            self.guard.forget_step()  # a skipped (non-finite) step is not measured
 
     # ---- measuring -----------------------------------------------------------------------
     def _allreduce(self, values: torch.Tensor, name: str) -> torch.Tensor:
@@ -354,13 +382,23 @@ class AutoTuner:
                 "bytes": tries[-1]["bytes"]}
 
     def _time_codec_once(self, c: Compressor, b, grads: List[torch.Tensor]) -> Dict[str, float]:
+        _, enc, dec, nbytes = self._code(c, b, [g if c.exchange == "allreduce" else g.float() for g in grads])
+        return {"enc": enc, "dec": dec, "bytes": nbytes}
+
+    def _roundtrip(self, c: Compressor, b, us: List[torch.Tensor]) -> List[torch.Tensor]:
+        """``us`` coded and decoded by ``c`` as this rank alone would (the accuracy guard's shadow)."""
+        return self._code(c, b, us)[0]
+
+    def _code(self, c: Compressor, b, us: List[torch.Tensor]):
+        """Code bucket ``b``'s tensors ``us`` with ``c`` as the pipeline would, nothing sent and nothing
+        staged kept: (decoded tensors, flat; encode s; decode s; payload bytes)."""
         from .exchange.routes import TensorRecord, flat_record
 
         pipe = self.pipe
-        infos = [TensorInfo(name=n, shape=g.shape, step=pipe.step, rank=pipe.rank, size=pipe.size,
-                            param=p.detach(), scale=pipe.exchange.scale()) for n, p, g in zip(b.names, b.params, grads)]
-        us = [g if c.exchange == "allreduce" else g.float() for g in grads]
-        timer = Timer(grads[0].device if grads else "cpu")  # CUDA events on a GPU: the work, not its launches
+        infos = [TensorInfo(name=n, shape=u.shape, step=pipe.step, rank=pipe.rank, size=pipe.size,
+                            param=p.detach(), scale=pipe.exchange.scale()) for n, p, u in zip(b.names, b.params, us)]
+        sizes = [u.numel() for u in us]
+        timer = Timer(us[0].device if us else "cpu")  # CUDA events on a GPU: the work, not its launches
         timer.mark()
         # as the pipeline codes it: a bucket_flat codec (topk scope=model, sig) one payload per bucket
         # (per tensor, top-1% coding of the main job's 12 tensors takes 1.27 ms, flat 0.60 ms)
@@ -373,19 +411,26 @@ class AutoTuner:
             prepare(list(zip(us, infos)))
         pays = [c.compress(u, info) for u, info in zip(us, infos)]
         timer.mark()
-        nbytes = 0
+        nbytes, outs = 0, []
         for (payload, ctx), info in zip(pays, infos):
             nbytes += payload.numel() * payload.element_size()
             if c.exchange == "allreduce":
                 out = c.decompress(payload, ctx, info)
-                if isinstance(out, Continue):  # multi-round: count the next round's payload too
-                    nbytes += out.payload.numel() * out.payload.element_size()
+                first = True
+                while isinstance(out, Continue):  # multi-round: count the next round's payload too
+                    if first:
+                        nbytes += out.payload.numel() * out.payload.element_size()
+                        first = False
+                    out = c.decompress(out.payload, out.ctx, info)
             else:
-                c.aggregate([payload], ctx, info)
+                out = c.aggregate([payload], ctx, info)
+            outs.append(out.reshape(-1))
         timer.mark()
         enc, dec = timer.seconds()
         c.discard()  # nothing staged by a trial compression may survive
-        return {"enc": enc, "dec": dec, "bytes": float(nbytes)}
+        if flat is not None:
+            outs = list(torch.split(outs[0], sizes))
+        return outs, enc, dec, float(nbytes)
 
     # ---- deciding --------------------------------------------------------------------------
     def predict(self, kind: str, numel: int, payload: float, enc: float, dec: float) -> float:
@@ -430,9 +475,13 @@ class AutoTuner:
         # step and the slack picked the densest candidate ('none' at 300 Mbit/s on the main job).
         compute = (_median(periods) - _median(meas)) if periods and meas else 0.0
         ran = _median(meas) if meas else 0.0  # median exchange time of the codecs chosen until now
-        local = torch.tensor([probe["lat"], probe["large"], max(compute, 0.0), ran] + rows, dtype=torch.float64)
+        guard = self.guard is not None and self.guard.ratio is None  # its verdict rides on this allreduce
+        qs = self.guard.local_ratios(len(pipe.buckets)) if guard else []
+        local = torch.tensor([probe["lat"], probe["large"], max(compute, 0.0), ran] + rows + qs, dtype=torch.float64)
         mean = self._allreduce(local.float(), f"hvd_ext.auto.measure.{pipe.step}").double()
         lat, large, compute, ran = float(mean[0]), float(mean[1]), float(mean[2]), float(mean[3])
+        if guard:
+            self.guard.decide(mean[len(mean) - len(qs):].tolist(), len(pipe.buckets))
         self.link = {"lat": lat, "bw": probe["wire"] / max(large - lat, 1e-6)}
         choice, predicted, table, all_times = [], 0.0, [], []
         total = sum(p.numel() for b in pipe.buckets for p in b.params) or 1
@@ -457,8 +506,9 @@ class AutoTuner:
         self._calibrate(ran, [times[self.choice[b.index]] for b, (times, _, _) in zip(pipe.buckets, all_times)])
         factor = self.calibration()
         for i, (times, numel, kinds) in enumerate(all_times):
-            times = [t * f for t, f in zip(times, factor)]
-            best = 0  # the fastest (the first of near ties)
+            # an ineligible candidate (the accuracy guard) is never chosen: infinitely slow
+            times = [t * f if self.eligible(i, ci) else float("inf") for ci, (t, f) in enumerate(zip(times, factor))]
+            best = self.dense_index(self.auto)  # the fastest (the first of near ties)
             for ci, t in enumerate(times):
                 if t < times[best] * (1 - 1e-3):
                     best = ci
@@ -471,7 +521,7 @@ class AutoTuner:
             fastest = best
             best = next(ci for ci, t in enumerate(times) if t <= times[fastest] + allowance)
             cur = self.choice[b.index]
-            if self.last_eval is not None and best != cur:
+            if self.last_eval is not None and best != cur and times[cur] < float("inf"):
                 # Hysteresis, so that measurement noise does not flip codecs back and forth: a less
                 # accurate codec must be `margin` faster than the current one; a more accurate one must
                 # lie `margin` inside the slack. (Only the first rule, before: it kept top-k at 1 Gbit/s
@@ -511,8 +561,20 @@ class AutoTuner:
                                "link": {"latency_ms": round(lat * 1e3, 4), "MB_per_s": round(self.link["bw"] / 1e6, 2)},
                                "compute_ms": round(compute * 1e3, 3),
                                "predicted_ms_per_candidate": table,
-                               "calibration": self._calibration_report()})
+                               "calibration": self._calibration_report(),
+                               "guard": self.guard_report()})
         del self.decisions[:-20]
+
+    def eligible(self, bucket: int, candidate: int) -> bool:
+        """May bucket ``bucket`` use candidate ``candidate`` (the accuracy guard's verdict)?"""
+        return self.guard is None or self.guard.eligible(bucket, candidate)
+
+    def guard_report(self) -> Optional[Dict[str, Any]]:
+        if self.guard is None or self.guard.ratio is None:
+            return None
+        return {"bound": self.guard.bound, "error_ratio": self.guard.report(self.auto.candidate_specs),
+                "eligible": [[s for ci, s in enumerate(self.auto.candidate_specs) if self.eligible(bi, ci)]
+                             for bi in range(len(self.guard.ratio))]}
 
     def _apply(self, agreed: List[int], routes: List[str]) -> bool:
         """Every bucket to its agreed candidate and route (the old codec's memory carried over)."""
@@ -621,7 +683,7 @@ class AutoTuner:
                                "link": self.decisions[-1].get("link") if self.decisions else None,
                                "measured_period_ms": measured,
                                "cut_early": [t["configs"][ci]["label"] for ci in t["cut"]],
-                               "calibration": self._calibration_report()})
+                               "calibration": self._calibration_report(), "guard": self.guard_report()})
         del self.decisions[:-20]
 
     def _calibration_report(self) -> Dict[str, float]:
@@ -674,13 +736,15 @@ class AutoTuner:
         return {"choice": [self.auto.candidate_specs[ci] for ci in self.choice],
                 "decisions": len(self.decisions), "last": last,
                 "history": [{k: d[k] for k in ("step", "reason", "choice", "predicted_ms", "predicted_ms_per_candidate",
-                                               "measured_period_ms", "cut_early", "calibration") if k in d}
+                                               "measured_period_ms", "cut_early", "calibration", "guard")
+                                     if k in d}
                             for d in self.decisions]}
 
     def state_dict(self) -> Dict[str, Any]:
         return {"choice": list(self.choice), "routes": [b.route.name for b in self.pipe.buckets],
                 "size": self.pipe.size, "last_eval": self.last_eval, "calib": dict(self.calib),
-                "debt": {k: v.clone() for k, v in self.debt.items()}, "debt_left": dict(self.debt_left)}
+                "debt": {k: v.clone() for k, v in self.debt.items()}, "debt_left": dict(self.debt_left),
+                "guard": None if self.guard is None else self.guard.ratio}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         ch = list((state or {}).get("choice", []))
@@ -694,6 +758,9 @@ class AutoTuner:
             self.choice = ch
             self.last_eval = state.get("last_eval")
             self.calib = {int(k): float(v) for k, v in (state.get("calib") or {}).items()}
+            ratio = state.get("guard")
+            if self.guard is not None and ratio is not None and len(ratio) == len(self.pipe.buckets):
+                self.guard.decide([q for row in ratio for q in row], len(ratio))
         self.debt = {k: v.clone() for k, v in (state or {}).get("debt", {}).items()}
         self.debt_left = dict((state or {}).get("debt_left", {}))
         self._released = {}

@@ -48,7 +48,7 @@ def test_spec_parsing_and_errors():
 def test_dense_until_warmup_then_same_choice_everywhere(monkeypatch, size):
     monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
     grads = _grads(6, size)
-    spec = "auto:warmup=2,candidates=none,topk:ratio=0.1,scope=layer,exchange=allgather"
+    spec = "auto:warmup=2,accuracy=relaxed,candidates=none,topk:ratio=0.1,scope=layer,exchange=allgather"
     runs = run_pipeline(spec, grads, size, bucket_bytes=8000)
     for step in range(2):  # dense: the exact mean
         for n in NAMES:
@@ -82,7 +82,7 @@ def test_memory_carries_over_when_switching_back(monkeypatch):
     monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0, fast_from=5))
     size, steps = 2, 10
     grads = _grads(steps, size, seed=3)
-    spec = "auto:warmup=2,every=3,release=3,candidates=none,topk:ratio=0.05,scope=layer,exchange=allgather"
+    spec = "auto:warmup=2,accuracy=relaxed,every=3,release=3,candidates=none,topk:ratio=0.05,scope=layer,exchange=allgather"
     seen = []
 
     def snapshot(rank, step, pipe):
@@ -115,7 +115,7 @@ def test_memory_carries_over_when_switching_back(monkeypatch):
 
 def test_checkpoint_keeps_choice(monkeypatch):
     monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
-    spec = "auto:warmup=2,candidates=none,topk:ratio=0.1,scope=layer,exchange=allgather"
+    spec = "auto:warmup=2,accuracy=relaxed,candidates=none,topk:ratio=0.1,scope=layer,exchange=allgather"
     runs = run_pipeline(spec, _grads(3, 2), 2)
     sd = runs[0].pipeline.state_dict()
     assert sd["auto"]["choice"] == runs[0].pipeline.auto.choice and sd["auto"]["choice"] != [0]
@@ -143,7 +143,7 @@ def test_most_accurate_candidate_within_slack(monkeypatch):
     monkeypatch.setattr(AutoTuner, "_time_codec", time_codec)
     monkeypatch.setattr(AutoTuner, "predict", predict)
     for slack, want in (("0.1", "fp16"), ("0", "topk:ratio=0.01"), ("2", "none")):
-        runs = run_pipeline(f"auto:warmup=2,trial=0,slack={slack},candidates=none,fp16,topk:ratio=0.01", _grads(3, 2), 2)
+        runs = run_pipeline(f"auto:warmup=2,accuracy=relaxed,trial=0,slack={slack},candidates=none,fp16,topk:ratio=0.01", _grads(3, 2), 2)
         assert runs[0].pipeline.auto.report()["choice"] == [want], slack
 
 
@@ -158,7 +158,7 @@ def test_route_follows_the_measured_link(monkeypatch, lat, expect):
 
     monkeypatch.setattr(AutoTuner, "_probe_link", probe)
     size = 4
-    runs = run_pipeline("auto:warmup=2,trial=0,candidates=none,qsgd:bits=8", _grads(4, size), size)
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,trial=0,candidates=none,qsgd:bits=8", _grads(4, size), size)
     for r in runs:
         assert set(r.pipeline.auto.report()["choice"]) == {"qsgd:bits=8"}
         assert [b.route.name for b in r.pipeline.buckets] == [expect] * len(r.pipeline.buckets)
@@ -194,7 +194,7 @@ def test_calibration_replaces_a_codec_slower_than_predicted(monkeypatch):
     model = {"none": 40e-3, "qsgd": 20e-3, "topk": 8e-3}      # predicted exchange seconds
     real = {"none": 40e-3, "qsgd": 20e-3, "topk": 32e-3}       # what the exchanges 'take'
     _fake_costs(monkeypatch, model, real)
-    spec = "auto:warmup=2,check=2,trial=0,slack=0,candidates=none,qsgd:bits=8,topk:ratio=0.01"
+    spec = "auto:warmup=2,accuracy=relaxed,check=2,trial=0,slack=0,candidates=none,qsgd:bits=8,topk:ratio=0.01"
     runs = run_pipeline(spec, _grads(8, 2), 2)
     for r in runs:
         tuner = r.pipeline.auto
@@ -212,7 +212,7 @@ def test_a_more_accurate_codec_inside_the_slack_replaces_the_current_one(monkeyp
     model = {"none": 12e-3, "fp16": 6e-3, "topk": 3e-3}
     real = {"none": 12e-3, "fp16": 6e-3, "topk": 6e-3}
     _fake_costs(monkeypatch, model, real)
-    runs = run_pipeline("auto:warmup=2,check=2,trial=0,slack=0.1,candidates=none,fp16,topk:ratio=0.01", _grads(12, 2), 2)
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,check=2,trial=0,slack=0.1,candidates=none,fp16,topk:ratio=0.01", _grads(12, 2), 2)
     for r in runs:
         d = r.pipeline.auto.decisions
         assert [x["choice"] for x in d][:2] == [["topk:ratio=0.01"], ["fp16"]], d
@@ -229,7 +229,7 @@ def test_a_new_choice_is_calibrated_after_check_exchanges(monkeypatch):
     probes = []
     link = _link()
     monkeypatch.setattr(AutoTuner, "_probe_link", lambda self: probes.append(self.pipe.rank) or link(self))
-    spec = "auto:warmup=2,check=2,trial=0,slack=0,candidates=none,qsgd:bits=8,topk:ratio=0.01"
+    spec = "auto:warmup=2,accuracy=relaxed,check=2,trial=0,slack=0,candidates=none,qsgd:bits=8,topk:ratio=0.01"
     runs = run_pipeline(spec, _grads(12, 2), 2)
     assert sorted(probes) == [0, 1]  # the calibrate re-decisions reuse the link measured at warm-up
     for r in runs:
@@ -245,7 +245,7 @@ def test_codec_trial_codes_a_bucket_as_the_pipeline_does():
     one payload per tensor (20 + 1 + 30 = 51 entries here, but three selections, three headers)."""
     from hvd_ext.compression.base import TensorInfo
 
-    runs = run_pipeline("auto:warmup=2,candidates=none,topk:ratio=0.01", _grads(1, 2), 2)
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,candidates=none,topk:ratio=0.01", _grads(1, 2), 2)
     tuner = runs[0].pipeline.auto
     b = runs[0].pipeline.buckets[0]
     grads = [torch.randn_like(p) for p in b.params]
@@ -272,7 +272,7 @@ def test_contenders_the_model_cannot_separate_are_measured(monkeypatch):
     model = {"none": 20e-3, "fp16": 5e-3, "topk": 3e-3}
     real = {"none": 20e-3, "fp16": 5e-3, "topk": 9e-3}
     _fake_costs(monkeypatch, model, real)
-    runs = run_pipeline("auto:warmup=2,check=2,trial=4,candidates=none,fp16,topk:ratio=0.01", _grads(20, 2), 2)
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,check=2,trial=4,candidates=none,fp16,topk:ratio=0.01", _grads(20, 2), 2)
     for r in runs:
         tuner = r.pipeline.auto
         d = tuner.decisions
@@ -285,13 +285,13 @@ def test_contenders_the_model_cannot_separate_are_measured(monkeypatch):
     # where the contenders' periods are within the slack, the more accurate one is kept; trial=0 trusts
     # the model (top-k)
     real["topk"] = 4.8e-3
-    runs = run_pipeline("auto:warmup=2,check=2,trial=4,candidates=none,fp16,topk:ratio=0.01", _grads(20, 2), 2)
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,check=2,trial=4,candidates=none,fp16,topk:ratio=0.01", _grads(20, 2), 2)
     assert runs[0].pipeline.auto.report()["choice"] == ["fp16"]
-    runs = run_pipeline("auto:warmup=2,check=50,trial=0,candidates=none,fp16,topk:ratio=0.01", _grads(6, 2), 2)
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,check=50,trial=0,candidates=none,fp16,topk:ratio=0.01", _grads(6, 2), 2)
     assert runs[0].pipeline.auto.report()["choice"] == ["topk:ratio=0.01"]
     # several buckets: one configuration per contender over all of them, the same on every rank
     real["topk"] = 9e-3
-    runs = run_pipeline("auto:warmup=2,check=2,trial=4,candidates=none,fp16,topk:ratio=0.01", _grads(20, 2), 2,
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,check=2,trial=4,candidates=none,fp16,topk:ratio=0.01", _grads(20, 2), 2,
                         bucket_bytes=4000)
     assert len(runs[0].pipeline.buckets) > 1
     for r in runs:
@@ -329,7 +329,7 @@ def test_the_link_probe_tries_the_large_allreduce_again_only_where_it_is_cheap(m
 
     monkeypatch.setattr(probe_mod, "best_time", best_time)
     monkeypatch.setattr(AutoTuner, "_allreduce", tagged)
-    runs = run_pipeline("auto:warmup=2,trial=0,candidates=none,fp16", _grads(3, 2), 2)
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,trial=0,candidates=none,fp16", _grads(3, 2), 2)
     assert calls == {0: tries, 1: tries}
     assert runs[0].pipeline.auto.decisions[0]["link"] == runs[1].pipeline.auto.decisions[0]["link"]
 
@@ -356,7 +356,7 @@ def test_a_contender_clearly_slower_than_the_shortest_stops_early(monkeypatch):
         timed(self, seconds)
 
     monkeypatch.setattr(AutoTuner, "exchange_time", count)
-    runs = run_pipeline("auto:warmup=2,check=50,trial=12,candidates=none,fp16,topk:ratio=0.01", _grads(40, 2), 2)
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,check=50,trial=12,candidates=none,fp16,topk:ratio=0.01", _grads(40, 2), 2)
     for r in runs:
         d = r.pipeline.auto.decisions
         assert d[0]["reason"] == "warmup; trying 3 contenders", d
@@ -370,7 +370,7 @@ def test_a_contender_clearly_slower_than_the_shortest_stops_early(monkeypatch):
     # a contender inside the bound is not cut: with none at 1.3x top-k's period it runs its window
     real["none"] = 5.4e-3
     ran.clear()
-    runs = run_pipeline("auto:warmup=2,check=50,trial=12,candidates=none,fp16,topk:ratio=0.01", _grads(56, 2), 2)
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,check=50,trial=12,candidates=none,fp16,topk:ratio=0.01", _grads(56, 2), 2)
     assert runs[0].pipeline.auto.decisions[1]["cut_early"] == [] and ran["none"] == 16, ran
 
 
@@ -382,7 +382,7 @@ def test_drift_needs_two_checks_in_a_row():
     def body(rank, transport):
         from hvd_ext.exchange import Exchange
         from hvd_ext.pipeline import GradientPipeline
-        comp = hvd_ext.compression_from_spec("auto:warmup=2,trial=0,candidates=none,fp16")
+        comp = hvd_ext.compression_from_spec("auto:warmup=2,accuracy=relaxed,trial=0,candidates=none,fp16")
         named = [(n, torch.nn.Parameter(torch.zeros(*s))) for n, s in NAMES.items()]
         pipe = GradientPipeline(named, comp, comp.feedback, Exchange(transport=transport), 1 << 20, None)
         t = pipe.auto
@@ -397,3 +397,138 @@ def test_drift_needs_two_checks_in_a_row():
 
     out = SimulatedWorld(2).run(body)
     assert out[0] == out[1] and len(out[0]) == 1 and out[0][0].startswith("measured 30.00 ms"), out
+
+
+# ---- the accuracy guard (hvd_ext.accuracy_guard) ------------------------------------------------
+def _sparse_grads(steps, size, seed=0, hot=0.01):
+    """Gradients whose energy sits on the same 1% of coordinates every step (top-k keeps nearly all),
+    plus a little noise."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ranks = []
+        for _ in range(size):
+            d = {}
+            for n, s in NAMES.items():
+                t = 1e-3 * torch.randn(*s, generator=g)
+                flat = t.view(-1)
+                k = max(1, int(hot * flat.numel()))
+                flat[:k] += 1.0 + torch.rand(k, generator=g)
+                d[n] = t
+            ranks.append(d)
+        out.append(ranks)
+    return out
+
+
+def _guard(run):
+    return run.pipeline.auto.report()["history"][0]["guard"]
+
+
+def test_the_guard_keeps_a_coarse_codec_off_gradients_it_cannot_carry(monkeypatch):
+    """Slow link: by speed alone top-1% wins. On noise-like gradients top-1% holds back most of each
+    step (error ratio near 1): strict auto keeps it off and takes 8-bit QSGD; relaxed takes top-1%."""
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
+    grads = _grads(6, 2)
+    cands = "candidates=none,qsgd:bits=8,topk:ratio=0.01,exchange=allgather"
+    strict = run_pipeline(f"auto:warmup=4,trial=0,{cands}", grads, 2)
+    relaxed = run_pipeline(f"auto:warmup=4,trial=0,accuracy=relaxed,{cands}", grads, 2)
+    top, q8 = "topk:ratio=0.01,exchange=allgather", "qsgd:bits=8"
+    for r in strict:
+        g = _guard(r)
+        assert g == _guard(strict[0])  # one verdict on every rank
+        for row in g["error_ratio"]:
+            assert row["none"] == 0.0 and row[q8] < 0.2 and row[top] > 0.8
+        assert all(e == ["none", q8] for e in g["eligible"])
+        assert set(r.pipeline.auto.report()["choice"]) == {q8}
+    assert set(relaxed[0].pipeline.auto.report()["choice"]) == {top}
+    assert _guard(relaxed[0]) is None
+
+
+def test_the_guard_admits_top_k_where_the_gradient_is_sparse(monkeypatch):
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
+    runs = run_pipeline("auto:warmup=4,trial=0,candidates=none,topk:ratio=0.03,exchange=allgather",
+                        _sparse_grads(6, 2), 2)
+    g = _guard(runs[0])
+    assert all(row["topk:ratio=0.03,exchange=allgather"] < 0.1 for row in g["error_ratio"])
+    assert set(runs[0].pipeline.auto.report()["choice"]) == {"topk:ratio=0.03,exchange=allgather"}
+
+
+def test_the_guard_verdict_does_not_depend_on_timing(monkeypatch):
+    """Same gradients, a fast and a slow link (a quiet and a busy machine): the same error ratios and
+    eligible sets; only the choice among the eligible may differ."""
+    grads = _grads(6, 2, seed=5)
+    spec = "auto:warmup=4,trial=0,candidates=none,fp16,qsgd:bits=8,topk:ratio=0.03,exchange=allgather"
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link())
+    fast = run_pipeline(spec, grads, 2)
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
+    slow = run_pipeline(spec, grads, 2)
+    assert _guard(fast[0]) == _guard(slow[0])
+    assert "topk:ratio=0.03,exchange=allgather" not in _guard(fast[0])["eligible"][0]
+
+
+def test_the_guard_error_ratio_is_the_residual_fraction():
+    """q = sqrt(sum ||u - C(u)||^2 / sum ||u||^2) over the warm-up after its first step, u = g + shadow
+    residual: checked against a direct computation for top-k."""
+    from hvd_ext.accuracy_guard import AccuracyGuard
+
+    class B:
+        index, names = 0, ["w"]
+
+    top = hvd_ext.compression_from_spec("topk:ratio=0.25")
+    guard = AccuracyGuard([hvd_ext.compression_from_spec("none"), top], bound=0.5)
+
+    def topk(c, b, us):
+        u = us[0].reshape(-1)
+        out = torch.zeros_like(u)
+        i = u.abs().topk(max(1, u.numel() // 4)).indices
+        out[i] = u[i]
+        return [out]
+
+    g = torch.Generator().manual_seed(1)
+    gs = [torch.randn(64, generator=g) for _ in range(4)]
+    e, num, den = torch.zeros(64), 0.0, 0.0
+    for t, x in enumerate(gs):
+        guard.keep("w", x)
+        guard.measure([B], topk)
+        u = x + e
+        out = topk(None, None, [u])[0]
+        e = u - out
+        if t:
+            num, den = num + float(e.pow(2).sum()), den + float(u.pow(2).sum())
+    q = guard.local_ratios(1)
+    assert q[0] == 0.0 and abs(q[1] - (num / den) ** 0.5) < 1e-5
+    guard.decide(q, 1)
+    assert guard.eligible(0, 0) and guard.eligible(0, 1) == (q[1] <= 0.5)
+
+
+def test_a_nonfinite_warmup_step_is_not_measured(monkeypatch):
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
+    grads = _grads(6, 2)
+    grads[1][1]["w2"][0] = float("nan")
+    runs = run_pipeline("auto:warmup=4,trial=0,candidates=none,qsgd:bits=8", grads, 2)
+    g = _guard(runs[0])
+    assert all(row["qsgd:bits=8"] < 0.2 for row in g["error_ratio"])  # finite: step 1 was left out
+    assert set(runs[0].pipeline.auto.report()["choice"]) == {"qsgd:bits=8"}
+
+
+def test_the_guard_verdict_survives_a_checkpoint(monkeypatch):
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
+    runs = run_pipeline("auto:warmup=4,trial=0,candidates=none,qsgd:bits=8,topk:ratio=0.01", _grads(5, 2), 2)
+    sd = runs[0].pipeline.state_dict()
+    assert sd["auto"]["guard"] == runs[0].pipeline.auto.guard.ratio
+
+    def restore(rank, step, pipe):
+        if step == 0:
+            pipe.load_state_dict(sd)
+    runs2 = run_pipeline("auto:warmup=4,trial=0,candidates=none,qsgd:bits=8,topk:ratio=0.01", _grads(1, 2), 2,
+                         before_step=restore)
+    assert runs2[0].pipeline.auto.guard.ratio == sd["auto"]["guard"]
+    assert not runs2[0].pipeline.auto.eligible(0, 2)
+
+
+def test_relaxed_accuracy_warns_and_bad_values_are_named():
+    with pytest.warns(RuntimeWarning, match="relaxed"):
+        run_pipeline("auto:warmup=2,accuracy=relaxed,candidates=none,fp16", _grads(1, 2), 2)
+    for bad, words in [("auto:accuracy=loose", "strict"), ("auto:bound=0", "bound")]:
+        with pytest.raises(ValueError, match=words):
+            hvd_ext.compression_from_spec(bad)
