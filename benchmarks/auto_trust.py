@@ -228,8 +228,13 @@ def main(argv=None):
                             print(f"{loop} {rate} {load} s{seed} {m}: "
                                   + (f"{row['final']:.4f} {row['ms_per_step']:.1f} ms/step "
                                      f"load {row['loadavg'][0]:.1f}" if "final" in row else "FAILED"), flush=True)
+    commands = old.get("commands", [])
+    if not a.summarize:  # the invocations whose runs the file holds (later ones replace earlier runs)
+        commands = commands + ["python benchmarks/auto_trust.py " + " ".join(sys.argv[1:])]
     summary = summarize(runs)
-    common.write_json(runs_file, {"machine": machine, "runs": runs, "summary": summary})
+    common.write_json(runs_file, {"title": "compression=auto in loops it was not tuned on", "machine": machine,
+                                  "command": "; ".join(commands), "commands": commands,
+                                  "summary": summary, "runs": runs})
     out.with_suffix(".md").write_text(markdown(summary, machine))
     print(out.with_suffix(".md").read_text())
 

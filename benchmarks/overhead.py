@@ -140,7 +140,10 @@ def main(argv=None):
         print(s.getvalue())
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "params": n_params, "size": hvd.size(),
-                                               "batch": args.batch, "rows": rows}, indent=1))
+                                               "batch": args.batch, "rows": rows,
+                                               "command": "benchmarks/overhead.py " + " ".join(sys.argv[1:]),
+                                               "loadavg_end": open("/proc/loadavg").read().split()[:3]},
+                                              indent=1))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Which candidates ``compression="auto"`` may use on a bucket: a verdict from gradients, never from timing.
 
 Rule. During auto's dense warm-up every lossy candidate ``c`` codes each bucket's *local* gradient
-``g_t`` with a shadow residual of its own, as error feedback would (Seide et al. 2014; Karimireddy
-et al. 2019)::
+``g_t`` as it will run: with a shadow residual of its own where it runs under error feedback
+(Seide et al. 2014; Karimireddy et al. 2019), without one (``e = 0``) where it runs as an unbiased
+codec without memory (qsgd)::
 
     u_t = g_t + e_t,   out_t = decode(encode_c(u_t)),   e_{t+1} = u_t - out_t
 
@@ -39,9 +40,10 @@ class AccuracyGuard:
     ``roundtrip(c, bucket, grads) -> outputs`` codes ``grads`` (one tensor per parameter) as the
     pipeline would and returns the decoded tensors (flat, in the same order)."""
 
-    def __init__(self, candidates: Sequence, bound: float):
+    def __init__(self, candidates: Sequence, bound: float, memory: Optional[Sequence[bool]] = None):
         self.candidates = list(candidates)
         self.bound = bound
+        self.memory = list(memory) if memory is not None else [True] * len(self.candidates)
         self.lossy = [ci for ci, c in enumerate(self.candidates) if not c.lossless]
         self._memory: Dict[tuple, torch.Tensor] = {}           # (candidate, name) -> shadow residual
         self._sums: Dict[tuple, List[torch.Tensor]] = {}       # (bucket, candidate) -> [err^2, in^2]
@@ -76,7 +78,8 @@ class AccuracyGuard:
                 err2 = in2 = None
                 for n, u, out in zip(b.names, us, outs):
                     e = u.reshape(-1) - out.reshape(-1).float()
-                    self._memory[(ci, n)] = e.reshape(u.shape)
+                    if self.memory[ci]:
+                        self._memory[(ci, n)] = e.reshape(u.shape)
                     if not first:
                         de, du = e.pow(2).sum(), u.pow(2).sum()  # device scalars: read at the verdict
                         err2 = de if err2 is None else err2 + de

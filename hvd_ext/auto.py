@@ -24,7 +24,10 @@ on and decides per bucket:
   bucket's own gradients during the warm-up, is within ``bound``
   (:mod:`hvd_ext.accuracy_guard`); ineligible candidates are neither predicted, tried nor chosen.
   The verdict depends on the gradients alone, so the same job picks from the same set on a quiet
-  and on a busy machine. ``accuracy=relaxed`` (warned) chooses by speed alone;
+  and on a busy machine. ``accuracy=relaxed`` (warned) chooses by speed alone. Under an adaptive
+  optimizer (Adam family, RMSprop, Adagrad) the second moment stays live, and candidates with an
+  error-feedback memory are not eligible: a live second moment squares their delayed bursts
+  (:mod:`hvd_ext.variance_freeze`); ``variance=freeze`` in the spec allows them;
 * **choice** -- candidates are listed from the most to the least accurate;
   the bucket takes the first whose ``t(b, c)`` is within ``slack`` (5%) of
   the predicted step time (compute, measured as the step period minus the
@@ -53,9 +56,10 @@ measured cost, ``AutoTuner.calibration``), and earlier when the measured
 exchange time leaves [0.5x, 2x] of the prediction (checked every ``check``
 exchanges, agreed by an allreduce of the ranks' measurements).
 
-Accuracy budget: only error-feedback-safe candidates. Every candidate runs
-under one shared residual error feedback (Seide et al. 2014; Karimireddy et
-al. 2019). When a bucket's codec changes, what the old codec had not sent
+Accuracy budget: only error-feedback-safe candidates. The candidates whose own
+feedback is residual (top-k, the sign codecs) share one residual error feedback
+(Seide et al. 2014; Karimireddy et al. 2019); lossless and unbiased ones (none,
+fp16, qsgd) run without one, as they run fixed. When a bucket's codec changes, what the old codec had not sent
 is carried over, spread evenly over the next ``release`` exchanges (sending
 it at once -- e.g. 50 steps of top-1% residual in one dense step -- jolts
 training: measured -3.8 points on the main job); nothing is lost. So that
@@ -88,6 +92,7 @@ from .accuracy_guard import DEFAULT_BOUND, AccuracyGuard
 from .compression.base import VARIANCE_OPTIONS, Compressor, Continue, TensorInfo, variance_warmup_option
 from .ops.device import Timer
 from .options import Option, resolve_options
+from .variance_freeze import adaptive_kind
 
 DEFAULT_CANDIDATES = ("none", "fp16", "qsgd:bits=8", "topk:ratio=0.03")
 _PROBE_SMALL = 256                 # floats
@@ -182,6 +187,8 @@ class AutoCompression(Compressor):
             raise ValueError(f"auto: candidates must be a non-empty list of compression specs, got {candidates!r}")
         self.candidate_specs = [s.strip() for s in specs]
         self.candidates: List[Compressor] = []
+        self.memory: List[bool] = []  # per candidate: runs under the shared residual (else none, as fixed)
+        self.live_second_moment = False  # set by bind_optimizer
         self.feedback = make_feedback("residual")
         for s in self.candidate_specs:
             if s.split(":")[0].strip().lower() == "auto":
@@ -190,14 +197,29 @@ class AutoCompression(Compressor):
             if c.feedback is not None and c.feedback.name not in ("none", "residual"):
                 raise ValueError(f"auto: candidate {s!r} uses feedback={c.feedback.name!r}; candidates share one "
                                  "residual error feedback (accepted: feedback=none or residual)")
+            self.memory.append(not c.lossless and c.feedback is not None and c.feedback.name == "residual")
             c.feedback = self.feedback
             self.candidates.append(c)
         if len(set(c.spec() for c in self.candidates)) != len(self.candidates):
             raise ValueError(f"auto: candidates listed twice in {', '.join(specs)}")
         self.route = "auto"
 
+    def uses_memory(self, comp: Compressor) -> bool:
+        """Does candidate ``comp`` run under the shared residual? Those whose own feedback is
+        ``residual`` (top-k, the sign codecs) do; lossless and unbiased codecs (qsgd) run without one,
+        exactly as they run fixed."""
+        return any(c is comp and m for c, m in zip(self.candidates, self.memory))
+
+    def allowed(self, candidate: int) -> bool:
+        """Not ruled out by the optimizer: under an adaptive one with a live second moment only
+        candidates without a memory."""
+        return not (self.live_second_moment and self.memory[candidate])
+
     # The pipeline calls these on the compressor it was given: pass them on to every candidate.
     def bind_optimizer(self, optimizer) -> None:
+        # An adaptive optimizer's live second moment squares the delayed bursts of error feedback
+        # (hvd_ext.variance_freeze): with it live, candidates with a memory are not eligible.
+        self.live_second_moment = adaptive_kind(optimizer) is not None and self.variance != "freeze"
         super().bind_optimizer(optimizer)  # the shared feedback
         for c in self.candidates:
             bind = getattr(type(c), "bind_optimizer", None)
@@ -256,7 +278,7 @@ class AutoTuner:
         # accuracy=strict: which lossy candidates each bucket may use, from its warm-up gradients
         self.guard: Optional[AccuracyGuard] = None
         if auto.accuracy == "strict" and any(not c.lossless for c in auto.candidates):
-            self.guard = AccuracyGuard(auto.candidates, auto.bound)
+            self.guard = AccuracyGuard(auto.candidates, auto.bound, memory=auto.memory)
         elif auto.accuracy == "relaxed" and pipeline.rank == 0:
             warnings.warn("hvd_ext auto: accuracy=relaxed: candidates are chosen by speed alone, so a coarse "
                           "codec can cost accuracy against compression='none' (top-k at 1% lost points in "
@@ -567,7 +589,7 @@ class AutoTuner:
 
     def eligible(self, bucket: int, candidate: int) -> bool:
         """May bucket ``bucket`` use candidate ``candidate`` (the accuracy guard's verdict)?"""
-        return self.guard is None or self.guard.eligible(bucket, candidate)
+        return self.auto.allowed(candidate) and (self.guard is None or self.guard.eligible(bucket, candidate))
 
     def guard_report(self) -> Optional[Dict[str, Any]]:
         if self.guard is None or self.guard.ratio is None:

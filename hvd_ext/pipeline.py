@@ -288,9 +288,9 @@ class GradientPipeline:
             results, supports, nf = b.route.finish()
             flags.append(nf)
             t0 = time.perf_counter()
-            # A lossless codec under a shared memory (auto choosing none, fp16 or bf16) sent all of u (up to
-            # rounding, which plain fp16/bf16 drop too): memory cleared, no per-step residual to keep.
-            lossless = use_fb and self.auto is not None and b.comp.lossless
+            # auto choosing a codec that runs without error feedback when fixed (none, fp16, bf16: lossless;
+            # qsgd: unbiased) runs it as fixed: memory cleared, no per-step residual to keep.
+            lossless = use_fb and self.auto is not None and not comp.uses_memory(b.comp)
             warm = b.comp is self._warm
             records, sents = b.route.records, None
             if b.parts is not None:  # one flat record: split the result back into the bucket's tensors

@@ -67,14 +67,16 @@ def adaptive_kind(optimizer) -> Optional[str]:
 
 def needs_freeze(compressor) -> bool:
     """``variance=auto``: a lossy codec with an error-feedback memory (its delayed bursts are what
-    the live second moment distorts), or ``compression="auto"`` (which may pick one). Codecs without
-    memory (unbiased quantizers, sign codecs) keep the live second moment, which absorbs their noise."""
+    the live second moment distorts). Codecs without memory (unbiased quantizers, sign codecs) keep
+    the live second moment, which absorbs their noise. ``compression="auto"`` keeps it live too: under
+    an adaptive optimizer it does not choose a candidate with a memory (``AutoCompression``), unless
+    ``variance=freeze`` is in its spec."""
     from .feedback.base import NoFeedback
 
     if getattr(compressor, "lossless", False):
         return False
     if getattr(compressor, "candidates", None) is not None:
-        return True
+        return False
     fb = getattr(compressor, "feedback", None)
     return fb is not None and not isinstance(fb, NoFeedback)
 
