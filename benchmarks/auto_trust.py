@@ -224,7 +224,8 @@ def main(argv=None):
                             row = run_one(loop, m, rate, load, seed, a, logs)
                             runs = [r for r in runs if (r["loop"], r["method"], r["rate"], r["load"], r["seed"])
                                     != (loop, m, rate, load, seed)] + [row]
-                            common.write_json(runs_file, {"machine": machine, "runs": runs})
+                            common.write_json(runs_file, {"machine": machine, "commands": old.get("commands", []),
+                                                          "runs": runs})
                             print(f"{loop} {rate} {load} s{seed} {m}: "
                                   + (f"{row['final']:.4f} {row['ms_per_step']:.1f} ms/step "
                                      f"load {row['loadavg'][0]:.1f}" if "final" in row else "FAILED"), flush=True)
