@@ -182,7 +182,7 @@ def test_first_bucket_takes_the_tensor_that_crosses_its_size():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_any_nonfinite(dtype):
-    from hvd_ext.compression._fast import any_nonfinite
+    from hvd_ext.ops.device import any_nonfinite
 
     big = torch.finfo(dtype).max
     ok = [torch.randn(1000).to(dtype), torch.full((8,), big, dtype=dtype), torch.arange(5)]  # the sum overflows

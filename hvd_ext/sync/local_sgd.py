@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..compression._fast import any_nonfinite
+from ..ops.device import any_nonfinite
 from ..options import Option
 from ._common import FlatState, check_optimizer_model, exchange_for, is_distributed_optimizer, resolve, stats_for
 
