@@ -438,11 +438,9 @@ class AutoTuner:
             nbytes += payload.numel() * payload.element_size()
             if c.exchange == "allreduce":
                 out = c.decompress(payload, ctx, info)
-                first = True
-                while isinstance(out, Continue):  # multi-round: count the next round's payload too
-                    if first:
-                        nbytes += out.payload.numel() * out.payload.element_size()
-                        first = False
+                if isinstance(out, Continue):  # multi-round: count the next round's payload too
+                    nbytes += out.payload.numel() * out.payload.element_size()
+                while isinstance(out, Continue):
                     out = c.decompress(out.payload, out.ctx, info)
             else:
                 out = c.aggregate([payload], ctx, info)
