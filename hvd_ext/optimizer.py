@@ -630,7 +630,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
 
     ``num_groups``/``groups`` are accepted for compatibility; hvd_ext fuses by
     ``bucket_bytes`` instead. Sparse gradients (``nn.Embedding(sparse=True)``) are exchanged as
-    indices + values and handed back sparse, unless ``sparse_as_dense=True`` (see ``sparse_grad``).
+    indices + values and handed back sparse; ``sparse_as_dense=True`` exchanges them dense and, as
+    Horovod does, hands them back sparse (``SparseAdam`` works either way; see ``sparse_grad``).
     Every argument is checked before any collective starts.
     """
     import horovod.torch as hvd

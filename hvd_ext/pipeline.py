@@ -311,8 +311,8 @@ class GradientPipeline:
                 p = rec.param
                 g = p.grad
                 res = res.reshape(g.shape)
-                if g.is_sparse:
-                    p.grad = res.to(g.dtype, copy=True)  # res may be a view of a reused buffer
+                if g.is_sparse:  # sparse_as_dense: handed back sparse, as Horovod does (SparseAdam)
+                    p.grad = res.to(g.dtype, copy=True).to_sparse(g.sparse_dim())
                 else:
                     g.copy_(res)
             self.compress_s += time.perf_counter() - t0 + (b.route.code_s - code0)

@@ -86,6 +86,29 @@ res["sparse_adam"] = run("sparse_adam", lambda m: [
 res["as_dense"] = run("as_dense", lambda m: [hvd_ext.DistributedOptimizer(
     torch.optim.SGD(m.parameters(), lr=0.5), named_parameters=m.named_parameters(), sparse_as_dense=True)],
     check_grad=True)
+
+
+def horovod_sparse_embeddings():
+    """Horovod's test_sparse_embeddings: SparseAdam, no named_parameters, ranks with different batch
+    shapes, the plain zero_grad/backward/step loop; the first step too must hand back sparse grads."""
+    out = {}
+    for as_dense in (False, True):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=True)
+        inp = torch.LongTensor([[1, 2, 4, 5], [4, 3, 2, 9]] if RANK == 0 else [[1, 3, 4], [4, 7, 9]])
+        opt = hvd_ext.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters()), lr=0.1),
+                                           sparse_as_dense=as_dense)
+        sparse = []
+        for _ in range(2):
+            opt.zero_grad()
+            emb(inp).sum().backward()
+            opt.step()
+            sparse.append(bool(emb.weight.grad.is_sparse))
+        out[f"as_dense={as_dense}"] = {"sparse_grad": sparse, "spread": spread(emb, f"hse.{as_dense}")}
+    return out
+
+
+res["horovod_sparse_embeddings"] = horovod_sparse_embeddings()
 res["dense_bytes"] = VOCAB * DIM * 4
 emit(**res)
 hvd.barrier()
