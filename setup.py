@@ -33,7 +33,7 @@ def cuda_major():
 class build_py(_build_py):
     """Also ship the CUDA sources: top-level kernels/*.cu, *.cuh -> hvd_ext/_cu/ in the build.
 
-    Editable installs (pip install -e .) skip the copy; hvd_ext.kernels then reads kernels/
+    Editable installs (pip install -e .) skip the copy; hvd_ext.ops.cuda_kernels then reads kernels/
     from the source tree next to the package."""
 
     def run(self):

@@ -6,7 +6,7 @@
 
 For every size n (in millions of float32): GB/s of each CUDA kernel and of its
 torch counterpart (torch.topk for selection, the torch reference implementations
-in hvd_ext.kernels for the rest), and each as a fraction of the measured
+in hvd_ext.ops.cuda_kernels for the rest), and each as a fraction of the measured
 device-to-device copy bandwidth (y.copy_(x): 8n bytes moved). GB/s counts the
 minimum traffic of the operation (every input byte read once, every output byte
 written once), in 1e9 bytes per second; "speedup" = torch time / kernel time.
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hvd_ext import kernels as K  # noqa: E402
+from hvd_ext.ops import cuda_kernels as K  # noqa: E402
 
 
 def _timer(device):

@@ -223,7 +223,7 @@ def predicted_routes(method: str, a):
         import torch
 
         from hvd_ext.examples.mnist1d import MNIST1DCNN
-        from hvd_ext.exchange.harness import run_pipeline
+        from hvd_ext.testing.harness import run_pipeline
 
         torch.manual_seed(0)
         named = list(MNIST1DCNN(64).named_parameters())

@@ -17,7 +17,7 @@ gradient into an existing buffer of the same size: the physical limit of any
 pass that reads and writes it) and ``fresh copy`` (``clone``: the same plus
 mapping a new dense result, which every decode pays). The first (warm-up)
 round of each method is reported as ``first s``: it includes compiling the
-fused CPU kernels (``HVD_EXT_COMPILE``, see ``hvd_ext.compression._fast``).
+fused CPU kernels (``HVD_EXT_COMPILE``, see ``hvd_ext.ops.cpu_kernels``).
 The previous figures are shown as ``before``: read from
 ``throughput_baseline.json`` (written once from the old ``throughput.json``),
 or ``--baseline FILE``. The load average is recorded: re-run when it is high.

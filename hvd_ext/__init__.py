@@ -3,7 +3,7 @@
     opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=hvd_ext.compression_from_spec("topk:ratio=0.01"))
 """
-from .compression import compression_from_spec, describe_compressors, list_compressors  # noqa: F401
+from .spec import compression_from_spec, describe_compressors, list_compressors  # noqa: F401
 from .compression.base import Compressor, Continue, TensorInfo  # noqa: F401
 from .feedback import Feedback  # noqa: F401
 from .optimizer import DistributedOptimizer  # noqa: F401

@@ -84,12 +84,16 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .accuracy_guard import DEFAULT_BOUND, AccuracyGuard
+from .feedback.residual import ResidualFeedback
 from .compression.base import VARIANCE_OPTIONS, Compressor, Continue, TensorInfo, variance_warmup_option
+from .exchange import cost
+from .exchange.probe import best_time
+from .exchange.routes import TensorRecord, choose_route, flat_record
 from .ops.device import Timer
 from .options import Option, resolve_options
 from .variance_freeze import adaptive_kind
@@ -127,46 +131,6 @@ AUTO_OPTIONS = {
 }
 
 
-def split_candidates(text: str) -> List[str]:
-    """``"none,fp16,topk:ratio=0.01,scope=layer"`` -> ``["none", "fp16", "topk:ratio=0.01,scope=layer"]``."""
-    out: List[str] = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        if out and ":" not in item and "=" in item:
-            out[-1] = out[-1] + ("," if ":" in out[-1] else ":") + item
-        else:
-            out.append(item)
-    return out
-
-
-def parse_auto_spec(spec: str) -> Dict[str, Any]:
-    """``auto:key=val,...,candidates=...`` -> keyword arguments of :class:`AutoCompression`."""
-    _, _, rest = spec.strip().partition(":")
-    kw: Dict[str, Any] = {}
-    head, sep, cands = rest.partition("candidates=")
-    if sep:
-        if head.strip() and not head.strip().endswith(","):
-            raise ValueError(f"compression spec {spec!r}: 'candidates=' must start an item")
-        kw["candidates"] = split_candidates(cands)
-    for item in head.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        key, eq, val = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"compression spec {spec!r}: item {item!r} is not of the form key=value")
-        key = key.strip()
-        if key in kw:
-            raise ValueError(f"compression spec {spec!r}: key {key!r} given twice")
-        if key not in AUTO_OPTIONS:
-            raise ValueError(f"unknown key {key!r} in spec {spec!r} (compressor 'auto'); accepted: "
-                             f"{', '.join(sorted(AUTO_OPTIONS) + ['candidates'])}")
-        kw[key] = val.strip()
-    return kw
-
-
 class AutoCompression(Compressor):
     """Holds the candidate compressors and the shared residual feedback; the decisions live in
     :class:`AutoTuner`, one per gradient pipeline."""
@@ -176,24 +140,22 @@ class AutoCompression(Compressor):
     options = AUTO_OPTIONS
     default_feedback = "residual"
 
-    def __init__(self, candidates: Optional[Sequence[str]] = None, **kwargs):
-        from .compression import compression_from_spec, make_feedback
-
+    def __init__(self, candidates: Sequence[Tuple[str, Compressor]], **kwargs):
+        """``candidates``: (spec, compressor) pairs, most accurate first, built by
+        :func:`hvd_ext.spec.compression_from_spec`; ``kwargs``: the options above."""
         self.opts = resolve_options("compressor 'auto'", self.options, kwargs)
         for k, v in self.opts.items():
             setattr(self, k, v)
-        specs = list(DEFAULT_CANDIDATES if candidates is None else candidates)
-        if not specs or not all(isinstance(s, str) and s.strip() for s in specs):
-            raise ValueError(f"auto: candidates must be a non-empty list of compression specs, got {candidates!r}")
-        self.candidate_specs = [s.strip() for s in specs]
+        if not candidates:
+            raise ValueError("auto: candidates must be a non-empty list of compression specs")
+        self.candidate_specs = [s for s, _ in candidates]
         self.candidates: List[Compressor] = []
         self.memory: List[bool] = []  # per candidate: runs under the shared residual (else none, as fixed)
         self.live_second_moment = False  # set by bind_optimizer
-        self.feedback = make_feedback("residual")
-        for s in self.candidate_specs:
-            if s.split(":")[0].strip().lower() == "auto":
-                raise ValueError(f"auto: a candidate cannot be 'auto' (candidates: {', '.join(specs)})")
-            c = compression_from_spec(s)
+        self.feedback = ResidualFeedback()
+        for s, c in candidates:
+            if c.name == "auto":
+                raise ValueError(f"auto: a candidate cannot be 'auto' (candidates: {', '.join(self.candidate_specs)})")
             if c.feedback is not None and c.feedback.name not in ("none", "residual"):
                 raise ValueError(f"auto: candidate {s!r} uses feedback={c.feedback.name!r}; candidates share one "
                                  "residual error feedback (accepted: feedback=none or residual)")
@@ -201,7 +163,7 @@ class AutoCompression(Compressor):
             c.feedback = self.feedback
             self.candidates.append(c)
         if len(set(c.spec() for c in self.candidates)) != len(self.candidates):
-            raise ValueError(f"auto: candidates listed twice in {', '.join(specs)}")
+            raise ValueError(f"auto: candidates listed twice in {', '.join(self.candidate_specs)}")
         self.route = "auto"
 
     def uses_memory(self, comp: Compressor) -> bool:
@@ -371,8 +333,6 @@ class AutoTuner:
 
     def _probe_link(self) -> Dict[str, float]:
         N = self.pipe.size
-        from .exchange import cost
-        from .exchange.probe import best_time
 
         dev = self.pipe.buckets[0].params[0].device if self.pipe.buckets else "cpu"  # the gradients' link
         small, large = torch.zeros(_PROBE_SMALL, device=dev), torch.zeros(_PROBE_LARGE, device=dev)
@@ -414,7 +374,6 @@ class AutoTuner:
     def _code(self, c: Compressor, b, us: List[torch.Tensor]):
         """Code bucket ``b``'s tensors ``us`` with ``c`` as the pipeline would, nothing sent and nothing
         staged kept: (decoded tensors, flat; encode s; decode s; payload bytes)."""
-        from .exchange.routes import TensorRecord, flat_record
 
         pipe = self.pipe
         infos = [TensorInfo(name=n, shape=u.shape, step=pipe.step, rank=pipe.rank, size=pipe.size,
@@ -454,7 +413,6 @@ class AutoTuner:
 
     # ---- deciding --------------------------------------------------------------------------
     def predict(self, kind: str, numel: int, payload: float, enc: float, dec: float) -> float:
-        from .exchange import cost
 
         N = self.pipe.size
         lat, bw = self.link["lat"], self.link["bw"]
@@ -467,8 +425,6 @@ class AutoTuner:
         return _COLLECTIVES.get(kind, 2) * lat + wire / bw + code
 
     def evaluate(self, reason: str) -> None:
-        from .exchange import cost
-        from .exchange.routes import choose_route
 
         pipe, cands = self.pipe, self.auto.candidates
         # A "calibrate" re-decision only learns the chosen codec's real cost: the link and the codec

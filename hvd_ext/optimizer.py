@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .compression import compression_from_spec, make_feedback
+from .spec import compression_from_spec, make_feedback
 from .compression.base import Compressor
 from .exchange import Exchange
 from .ops.device import nonfinite

@@ -34,6 +34,7 @@ import torch
 # the two configurations are measured when predicted within _CONTEND of each other, and the first
 # _SETTLE periods after a switch are left out of the median.
 from .auto import _CONTEND, _SETTLE
+from .exchange.routes import route_options
 
 _MARGIN = 0.05   # the configuration the model did not pick must be this much faster to be kept
 
@@ -58,7 +59,6 @@ class RouteTrial:
     def plan(cls, pipe) -> Optional["RouteTrial"]:
         """A trial when the codec allows both exchanges and the model's predictions for the
         whole step are within ``_CONTEND`` of each other; else None (the model's routes stay)."""
-        from .exchange.routes import route_options
 
         comp = pipe.compressor
         steps = int(getattr(comp, "hierarchy_trial", 0) or 0)

@@ -44,6 +44,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .feedback.base import NoFeedback
+
 VARIANCE_CHOICES = ("auto", "freeze", "live")
 DEFAULT_WARMUP = 0
 
@@ -71,7 +73,6 @@ def needs_freeze(compressor) -> bool:
     the live second moment, which absorbs their noise. ``compression="auto"`` keeps it live too: under
     an adaptive optimizer it does not choose a candidate with a memory (``AutoCompression``), unless
     ``variance=freeze`` is in its spec."""
-    from .feedback.base import NoFeedback
 
     if getattr(compressor, "lossless", False):
         return False

@@ -65,11 +65,11 @@ fi
 cupy_for() { case "$1" in 11) echo cupy-cuda11x;; 13) echo cupy-cuda13x;; *) echo cupy-cuda12x;; esac; }
 CUPY=$(cupy_for "$cuda_major")
 
-STEP="python packages (torch, numpy, mpi4py, pytest, mnist1d, tqdm, matplotlib, cupy)"
+STEP="python packages (torch, numpy, mpi4py, pytest, import-linter, mnist1d, tqdm, matplotlib, cupy)"
 if ! "$VPY" - <<PYEOF >/dev/null 2>&1
 import importlib.metadata as m, sys
 need = {"torch": "$TORCH_VERSION"}
-for name in ["numpy", "mpi4py", "pytest", "mnist1d", "tqdm", "matplotlib", "$CUPY", "psutil", "cloudpickle", "pytest-timeout", "hypothesis"]:
+for name in ["numpy", "mpi4py", "pytest", "mnist1d", "tqdm", "matplotlib", "$CUPY", "psutil", "cloudpickle", "pytest-timeout", "hypothesis", "import-linter"]:
     m.version(name)
 v = m.version("torch").split("+")[0]
 sys.exit(0 if v == need["torch"] else 1)
@@ -78,7 +78,7 @@ then
   log "pip install torch==$TORCH_VERSION and friends"
   "${PIP[@]}" --upgrade pip setuptools wheel
   "${PIP[@]}" "torch==$TORCH_VERSION"
-  "${PIP[@]}" numpy mpi4py pytest pytest-timeout hypothesis mnist1d tqdm matplotlib psutil cloudpickle packaging pyyaml
+  "${PIP[@]}" numpy mpi4py pytest pytest-timeout hypothesis import-linter mnist1d tqdm matplotlib psutil cloudpickle packaging pyyaml
   # CuPy for the CUDA major version torch was built for (now that torch is here); it imports without
   # a GPU, and without a usable CuPy the kernels' torch code runs (one warning).
   v=$("$VPY" -c 'import torch; print((torch.version.cuda or "").split(".")[0])' 2>/dev/null || true)

@@ -141,8 +141,8 @@ class KernelDevice:
 def kdev(request):
     """Each kernel test once per device: a real GPU (skipped without one), and the CPU harness --
     the kernels of kernels/*.cu executed on CPU threads under an emulated GPU
-    (hvd_ext.testing.device), launched by hvd_ext.kernels' own host code."""
-    from hvd_ext import kernels as K
+    (hvd_ext.testing.device), launched by hvd_ext.ops.cuda_kernels' own host code."""
+    from hvd_ext.ops import cuda_kernels as K
     K.use_reference(False)
     if request.param == "cuda":
         yield KernelDevice("cuda")

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 import hvd_ext
-from hvd_ext.auto import AutoCompression, AutoTuner, DEFAULT_CANDIDATES, split_candidates
+from hvd_ext.auto import AutoCompression, AutoTuner, DEFAULT_CANDIDATES
+from hvd_ext.spec import split_candidates
 from hvd_ext.exchange import cost
-from hvd_ext.exchange.harness import run_pipeline
+from hvd_ext.testing.harness import run_pipeline
 
 NAMES = {"w1": (40, 50), "b1": (50,), "w2": (3000,)}
 
@@ -306,7 +307,7 @@ def test_the_link_probe_tries_the_large_allreduce_again_only_where_it_is_cheap(m
     decide, so both ranks run the same collectives although only rank 1's large try is slow."""
     import threading
 
-    import hvd_ext.exchange.probe as probe_mod
+    import hvd_ext.auto as auto_mod
     from hvd_ext.auto import _PROBE_LARGE
 
     rank_of, large_next = {}, {}   # thread -> rank; rank -> whether its next timed call is the large probe
@@ -327,7 +328,7 @@ def test_the_link_probe_tries_the_large_allreduce_again_only_where_it_is_cheap(m
         calls[me] += reps
         return rank1_large if me == 1 else 1e-3
 
-    monkeypatch.setattr(probe_mod, "best_time", best_time)
+    monkeypatch.setattr(auto_mod, "best_time", best_time)
     monkeypatch.setattr(AutoTuner, "_allreduce", tagged)
     runs = run_pipeline("auto:warmup=2,accuracy=relaxed,trial=0,candidates=none,fp16", _grads(3, 2), 2)
     assert calls == {0: tries, 1: tries}
@@ -377,7 +378,7 @@ def test_a_contender_clearly_slower_than_the_shortest_stops_early(monkeypatch):
 def test_drift_needs_two_checks_in_a_row():
     """The measured exchange leaving [0.5x, 2x] of the prediction once (a burst of load) is noted and
     forgotten; twice in a row it re-decides (agreed by an allreduce: every rank alike)."""
-    from hvd_ext.exchange import SimulatedWorld
+    from hvd_ext.testing.simulated import SimulatedWorld
 
     def body(rank, transport):
         from hvd_ext.exchange import Exchange

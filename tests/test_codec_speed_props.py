@@ -1,4 +1,4 @@
-"""Properties of the fast CPU codec paths (``hvd_ext.compression._fast``): the counter hash, the
+"""Properties of the fast CPU codec paths (``hvd_ext.ops.cpu_kernels``): the counter hash, the
 word-parallel bit packing, the candidate top-k and mask scan, and that compiled kernels (inductor)
 compute what the eager functions compute. Speed itself is measured by benchmarks/throughput.py,
 not here."""
@@ -7,16 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_ext import kernels as K
-from hvd_ext.compression import _fast, _sparse, bitpack, compression_from_spec
+from hvd_ext.ops import cuda_kernels as K
+from hvd_ext.spec import compression_from_spec
+from hvd_ext.ops import bits as bitpack, cpu_kernels as cpu_k, select
 from hvd_ext.compression.base import TensorInfo
 
 
 def test_uniform_is_the_kernels_counter_hash():
-    key = _fast.stream_key_tensor(3, "layer.weight", 1, 17)
+    key = cpu_k.stream_key_tensor(3, "layer.weight", 1, 17)
     key_int = K.stream_key(K.derive_seed(3, "layer.weight", 1), 17)
     for n in (10007, 70001):  # the whole-tensor and the in-place eager forms
-        ours = _fast.uniform(n, key)
+        ours = cpu_k.uniform(n, key)
         ref = K.uniform(key_int, torch.arange(n, dtype=torch.int64))
         assert torch.equal(ours, ref)
     assert 0 <= float(ours.min()) and float(ours.max()) < 1
@@ -28,14 +29,14 @@ def test_word_packing_follows_the_bit_order_contract(bits):
     g = torch.Generator().manual_seed(bits)
     for n in (1, 5, 8, 9, 63, 64, 1001):
         codes = torch.randint(0, 2 ** bits, (n,), generator=g).to(torch.uint8)
-        buf = _fast.codes_buffer("test", n, "cpu")
+        buf = cpu_k.codes_buffer("test", n, "cpu")
         buf[:n].copy_(codes)
-        packed = _fast.pack_buffer(buf, n, bits)
+        packed = cpu_k.pack_buffer(buf, n, bits)
         ref = bitpack.pack_bits(codes, bits)
         assert torch.equal(packed, ref), (bits, n)
-        assert torch.equal(_fast.unpack_to_buffer(ref, bits, n, "test/u"), codes)
+        assert torch.equal(cpu_k.unpack_to_buffer(ref, bits, n, "test/u"), codes)
         shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), ref])[3:]  # unaligned storage
-        assert torch.equal(_fast.unpack_to_buffer(shifted, bits, n, "test/u"), codes)
+        assert torch.equal(cpu_k.unpack_to_buffer(shifted, bits, n, "test/u"), codes)
 
 
 def test_candidate_topk_is_exact_with_ties():
@@ -45,20 +46,20 @@ def test_candidate_topk_is_exact_with_ties():
                   torch.randint(0, 50, (n,), generator=g).float(),   # many ties at the threshold
                   torch.zeros(n)):
         for k in (1, 100, 3000, n // 9):
-            fast = _sparse.topk_indices(score, k)
-            ref = _sparse._topk_small(score, k)
+            fast = select.topk_indices(score, k)
+            ref = select.topk_small(score, k)
             assert torch.equal(fast, ref), k
     nan = torch.rand(n, generator=g)
     nan[7] = float("nan")
-    assert torch.equal(_sparse.topk_indices(nan, 50), _sparse._topk_small(nan, 50))
+    assert torch.equal(select.topk_indices(nan, 50), select.topk_small(nan, 50))
 
 
 def test_indices_where_matches_nonzero():
     g = torch.Generator().manual_seed(1)
     x = torch.rand(100_003, generator=g)
     for thr in (0.0, 0.5, 0.999, 1.0):
-        assert torch.equal(_sparse.indices_where(x, thr), (x >= thr).nonzero().squeeze(1))
-        assert torch.equal(_sparse.indices_where(x, thr, strict=True), (x > thr).nonzero().squeeze(1))
+        assert torch.equal(select.indices_where(x, thr), (x >= thr).nonzero().squeeze(1))
+        assert torch.equal(select.indices_where(x, thr, strict=True), (x > thr).nonzero().squeeze(1))
 
 
 SPECS = ["qsgd:bits=4", "qsgd:bits=8", "qsgd:bits=3,bucket=0", "terngrad", "int8", "int8:stochastic=1",
@@ -78,16 +79,16 @@ def compiled(monkeypatch):
         torch.compile(lambda t: t + 1)(torch.ones(3))
     except Exception as e:  # no C++ compiler here: the eager path is all there is
         pytest.skip(f"torch.compile unavailable: {e}")
-    monkeypatch.setattr(_fast, "_SETTING", "1")
+    monkeypatch.setattr(cpu_k, "_SETTING", "1")
     yield
-    monkeypatch.setattr(_fast, "_SETTING", "0")
+    monkeypatch.setattr(cpu_k, "_SETTING", "0")
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_compiled_kernels_compute_the_eager_result(compiled, monkeypatch, spec):
     x = torch.distributions.Laplace(0.0, 1e-2).sample((3 * 4096 + 5,))
     p_c, agg_c, dec_c = _round_trip(spec, x)
-    monkeypatch.setattr(_fast, "_SETTING", "0")
+    monkeypatch.setattr(cpu_k, "_SETTING", "0")
     p_e, agg_e, dec_e = _round_trip(spec, x)
     for a, b in zip(p_c, p_e):
         assert a.numel() == b.numel()
@@ -122,7 +123,7 @@ def test_chunked_float32_sum_equals_the_plain_sum(dtype, ranks, monkeypatch):
     """``sum_float32`` (the Exchange's float16 / bfloat16 reduction) gives, bit for bit, the plain
     ``rows[0].float() + rows[1] + ...`` times the scale, at every chunk boundary, into a float32
     or (re-rounded) half-precision output; and its scratch chunk is reused, not re-allocated."""
-    monkeypatch.setattr(_fast, "SUM_CHUNK", 1000)
+    monkeypatch.setattr(cpu_k, "SUM_CHUNK", 1000)
     g = torch.Generator().manual_seed(ranks)
     for n in (0, 1, 999, 1000, 1001, 4567):
         rows = [(torch.randn(n, generator=g) * 10 ** float(torch.randint(-6, 3, (1,), generator=g))).to(dtype)
@@ -131,8 +132,8 @@ def test_chunked_float32_sum_equals_the_plain_sum(dtype, ranks, monkeypatch):
         for r in rows[1:]:
             ref.add_(r)
         ref.mul_(0.25)
-        assert torch.equal(_fast.sum_float32(rows, 0.25), ref)
-        assert torch.equal(_fast.sum_float32(rows, 0.25, torch.empty(n, dtype=dtype)), ref.to(dtype))
-    buf = _fast.scratch("sum_float32", 1000, torch.float32, "cpu")
-    _fast.sum_float32([torch.ones(2500, dtype=dtype)] * 2, 1.0, torch.empty(2500, dtype=torch.float16))
-    assert _fast.scratch("sum_float32", 1000, torch.float32, "cpu").data_ptr() == buf.data_ptr()
+        assert torch.equal(cpu_k.sum_float32(rows, 0.25), ref)
+        assert torch.equal(cpu_k.sum_float32(rows, 0.25, torch.empty(n, dtype=dtype)), ref.to(dtype))
+    buf = cpu_k.scratch("sum_float32", 1000, torch.float32, "cpu")
+    cpu_k.sum_float32([torch.ones(2500, dtype=dtype)] * 2, 1.0, torch.empty(2500, dtype=torch.float16))
+    assert cpu_k.scratch("sum_float32", 1000, torch.float32, "cpu").data_ptr() == buf.data_ptr()

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import hvd_ext
-from hvd_ext.exchange import Exchange, SimulatedWorld, cost
-from hvd_ext.exchange.harness import run_pipeline
+from hvd_ext.exchange import Exchange, cost
+from hvd_ext.testing.simulated import SimulatedWorld
+from hvd_ext.testing.harness import run_pipeline
 from hvd_ext.exchange.routes import choose_route
-from hvd_ext.exchange.sparse_rs import decode_pairs, encode_pairs
-from hvd_ext.exchange.twophase import segments
+from hvd_ext.exchange.routes.sparse_rs import decode_pairs, encode_pairs
+from hvd_ext.exchange.routes.twophase import segments
 
 from simgrads import SHAPES, make_grads, mean_of, relerr
 

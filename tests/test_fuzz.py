@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hvd_ext
-from hvd_ext.compression import list_compressors
+from hvd_ext.spec import list_compressors
 
 COMPRESSORS = sorted(list_compressors())
 SYNCS = ["every", "local", "adaptive", "event"]

@@ -18,10 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_ext import kernels as K
-from hvd_ext.compression import list_compressors
+from hvd_ext.ops import cuda_kernels as K
+from hvd_ext.spec import list_compressors
 from hvd_ext.exchange import cost
-from hvd_ext.exchange.harness import run_pipeline
+from hvd_ext.testing.harness import run_pipeline
 from hvd_ext.testing.syncs import count_syncs, make_grads
 
 # 6 tensors of 64 to 12k elements in 64 KiB buckets: two buckets
@@ -37,7 +37,7 @@ SPECS = sorted(list_compressors()) + VARIANTS
 
 def _flat_only(spec):
     """Why ``spec`` has no node-aware route, or None."""
-    from hvd_ext.compression import compression_from_spec
+    from hvd_ext.spec import compression_from_spec
     from hvd_ext.exchange.routes import NODE_FEEDBACKS, SHARDABLE_LINEAR
     comp = compression_from_spec(spec)
     if comp.exchange == "allreduce" and comp.name not in SHARDABLE_LINEAR:
@@ -48,7 +48,7 @@ def _flat_only(spec):
 
 
 def _allreduce(spec):
-    from hvd_ext.compression import compression_from_spec
+    from hvd_ext.spec import compression_from_spec
     return compression_from_spec(spec).exchange == "allreduce"
 
 
@@ -98,7 +98,7 @@ def test_budget_does_not_grow_with_tensors_or_ranks():
 
 def test_sparse_reduce_scatter_rebalance_reads_nothing_more(monkeypatch):
     """The owner ranges are rebalanced every 16 steps on the device: that step reads no more."""
-    from hvd_ext.exchange import sparse_rs
+    from hvd_ext.exchange.routes import sparse_rs
     monkeypatch.setattr(sparse_rs, "REBALANCE_EVERY", 2)
     rep = count_syncs("topk:ratio=0.05", 4, route="twophase", shapes=SHAPES, bucket_bytes=BUCKET, steps=6, warm=1)
     assert rep.routes == ["sparse_rs"] * rep.buckets and rep.per_step <= rep.budget, rep.sites

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 import hvd_ext
-from hvd_ext.exchange import SimulatedWorld, cost
-from hvd_ext.exchange.harness import run_pipeline
+from hvd_ext.exchange import cost
+from hvd_ext.testing.simulated import SimulatedWorld
+from hvd_ext.testing.harness import run_pipeline
 from hvd_ext.exchange.routes import choose_route
 from hvd_ext.exchange.transport import Topology, layout_sets
 
@@ -369,9 +370,9 @@ def test_group_transport_collectives():
 
 
 def test_no_process_sets_one_warning_and_flat():
-    from hvd_ext.exchange import routes
+    from hvd_ext.exchange.routes import choice
 
-    routes._warned.clear()
+    choice._warned.clear()
     grads = make_grads(4, 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

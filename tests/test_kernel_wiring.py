@@ -1,4 +1,4 @@
-"""The compressors' device paths reach the GPU kernels through ``hvd_ext.kernels``, keep the codecs'
+"""The compressors' device paths reach the GPU kernels through ``hvd_ext.ops.cuda_kernels``, keep the codecs'
 semantics, and agree with the host paths where those are deterministic.
 
 No GPU is needed: the device paths run on the emulated GPU of ``hvd_ext.testing.device`` (CPU data
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_ext import kernels as K
-from hvd_ext.compression import compression_from_spec
+from hvd_ext.ops import cuda_kernels as K
+from hvd_ext.spec import compression_from_spec
 from hvd_ext.compression._sparse import SAMPLED_HIGH, SAMPLED_LOW, count_for
 from hvd_ext.compression.base import TensorInfo
 from hvd_ext.compression.signsgd import vote_sum

@@ -1,8 +1,8 @@
-"""hvd_ext.kernels: nvcc compile checks, torch reference tests (CPU), kernel == reference.
+"""hvd_ext.ops.cuda_kernels: nvcc compile checks, torch reference tests (CPU), kernel == reference.
 
 "kernel == reference" tests run on every device of ``kdev`` (tests/conftest.py): a real GPU
 (skipped without one, with the reason), and the CPU harness -- the same kernels/*.cu sources
-executed on CPU threads (tests/cuda_cpu), launched by hvd_ext.kernels' own host code on
+executed on CPU threads (tests/cuda_cpu), launched by hvd_ext.ops.cuda_kernels' own host code on
 tensors of an emulated GPU -- at sizes the harness runs in seconds. nvcc tests need ``nvcc``.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvd_ext import kernels as K
+from hvd_ext.ops import cuda_kernels as K
 
 ROOT = Path(__file__).resolve().parents[1]
 KDIR = ROOT / "kernels"
@@ -71,13 +71,13 @@ def test_nvcc_compiles(name, nvcc_outdir):
 
 def test_sources_are_nvrtc_friendly_and_entry_points_exist():
     """NVRTC has no standard headers: the only include is common.cuh (inlined by kernel_source);
-    every kernel name hvd_ext/kernels.py launches exists as an extern "C" entry point."""
+    every kernel name hvd_ext/ops/cuda_kernels.py launches exists as an extern "C" entry point."""
     defined = set()
     for name in K.KERNEL_FILES:
         src = K.kernel_source(name)
         assert "#include" not in src, name
         defined |= set(re.findall(r'extern "C" __global__ void (\w+)', src))
-    used = set(re.findall(r'"(hvd_\w+)"', (ROOT / "hvd_ext" / "kernels.py").read_text()))
+    used = set(re.findall(r'"(hvd_\w+)"', (ROOT / "hvd_ext" / "ops" / "cuda_kernels.py").read_text()))
     assert used and used <= defined, used - defined
 
 
@@ -98,7 +98,7 @@ def test_dispatch_switches(monkeypatch):
     # the environment switch is read at import: load a fresh copy of the module with it set
     import importlib.util
     monkeypatch.setenv("HVD_EXT_KERNELS", "reference")
-    spec = importlib.util.spec_from_file_location("_hvd_ext_kernels_copy", ROOT / "hvd_ext" / "kernels.py")
+    spec = importlib.util.spec_from_file_location("_hvd_ext_kernels_copy", ROOT / "hvd_ext" / "ops" / "cuda_kernels.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod._force_reference is True
@@ -190,7 +190,7 @@ def test_bit_order_hand_examples():
 
 
 def test_same_contract_as_compression_bitpack():
-    bp = pytest.importorskip("hvd_ext.compression.bitpack", reason="hvd_ext/compression/bitpack.py not there yet")
+    bp = pytest.importorskip("hvd_ext.ops.bits", reason="hvd_ext/ops/bits.py not there yet")
     g = torch.Generator().manual_seed(0)
     for bits in range(1, 9):
         codes = torch.randint(0, 2 ** bits, (1001,), generator=g).to(torch.uint8)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hvd_ext import overlap as ov
-from hvd_ext.compression import compression_from_spec
-from hvd_ext.exchange.harness import run_pipeline
+from hvd_ext.spec import compression_from_spec
+from hvd_ext.testing.harness import run_pipeline
 from simgrads import make_grads
 
 # small buckets: each of the four tensors goes in its own bucket, so several are queued on the worker
@@ -113,7 +113,7 @@ def test_worker_issues_gpu_work_on_the_gradients_stream():
     where the bucket completed (the one backward produced its gradients on), so its kernels queue
     behind those gradients; nothing of it runs on the hooks' thread."""
     import contextlib
-    from hvd_ext import kernels
+    from hvd_ext.ops import cuda_kernels as kernels
     from hvd_ext.testing.device import EmulatedDevice, SyncCounter, to_device
     entered = []
     marker = object()

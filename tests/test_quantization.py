@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from hvd_ext.compression import compression_from_spec as C
+from hvd_ext.spec import compression_from_spec as C
 from hvd_ext.compression.base import Continue, TensorInfo
-from hvd_ext.compression.bitpack import pack_bits, packed_bytes, unpack_bits
+from hvd_ext.ops.bits import pack_bits, packed_bytes, unpack_bits
 from hvd_ext.compression.qdist_levels import level_table
 from hvd_ext.feedback.residual import ResidualFeedback
 

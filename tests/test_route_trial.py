@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hvd_ext.exchange import cost
-from hvd_ext.exchange.harness import run_pipeline
+from hvd_ext.testing.harness import run_pipeline
 from hvd_ext.route_trial import _SETTLE
 from simgrads import make_grads
 

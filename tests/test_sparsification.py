@@ -9,7 +9,7 @@ process; one 2-rank horovodrun launch checks the real exchange.
 import pytest
 import torch
 
-from hvd_ext.compression import compression_from_spec
+from hvd_ext.spec import compression_from_spec
 from hvd_ext.compression._sparse import (CHUNK, count_for, index_format, pack, payload_bytes, sampled_indices,
                                          split_budget, topk_indices, unpack, generator)
 from hvd_ext.compression.base import TensorInfo

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hvd_ext
-from hvd_ext.exchange.harness import run_pipeline
+from hvd_ext.testing.harness import run_pipeline
 from hvd_ext.variance_freeze import VarianceFreeze
 from simgrads import make_grads, mean_of
 

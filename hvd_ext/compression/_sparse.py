@@ -41,13 +41,13 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .. import kernels as _K
+from ..ops import cuda_kernels as _K
 from ..ops.device import expect, in_range, on_host, read, upload
-from . import _fast
+from ..ops import cpu_kernels as _cpu
+from ..ops.select import FP16_MAX, indices_where, topk_indices, topk_small
 from .base import Compressor, TensorInfo, from_bytes
 
 CHUNK = 1 << 16
-FP16_MAX = 65504.0
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -156,107 +156,6 @@ def unpack(data: torch.Tensor, n: int, vdtype: torch.dtype = torch.float32) -> T
     return idx, vals.float()
 
 
-# ---- selection --------------------------------------------------------------------------
-
-def _mask_ge(score, out, thr, *, strict: bool):
-    # where(., 1., 0.) then uint8: inductor's bool -> uint8 conversion is a slow non-vector path
-    out.copy_(torch.where(score > thr if strict else score >= thr, 1.0, 0.0).to(torch.uint8))
-
-
-_MASK_GE = _fast.Kernel(_mask_ge, "threshold mask")
-
-
-# From this many elements the word scan beats ``nonzero`` (one thread: 4M 8.2 vs 9.6 ms, 16M 23.6 vs
-# 27.7 ms; below it ``nonzero`` wins: 0.3M 0.57 vs 1.05 ms, 0.7M 1.48 vs 2.71 ms).
-_WORD_SCAN_MIN = 1 << 21
-
-
-def indices_where(score: torch.Tensor, thr, strict: bool = False) -> torch.Tensor:
-    """Ascending int64 indices of ``score >= thr`` (``> thr`` with ``strict``) of a flat tensor.
-
-    CPU: the comparison is one fused pass into a reused byte mask; the mask is then scanned eight
-    bytes at a time (the non-zero 64-bit words, then the bytes of those words), so a sparse
-    selection costs a pass over n/8 words instead of a ``nonzero`` over n elements."""
-    n = score.numel()
-    if score.device.type != "cpu" or n < _WORD_SCAN_MIN:
-        m = score > thr if strict else score >= thr
-        return m.nonzero().squeeze(1)
-    buf = _fast.codes_buffer("sparse/mask", n, score.device)
-    t = thr if isinstance(thr, torch.Tensor) else torch.tensor(float(thr), dtype=score.dtype)
-    _MASK_GE(n, score.device, score, buf[:n], t.to(score.dtype), strict=strict)
-    words = buf.view(torch.int64)
-    hit = (words != 0).nonzero().squeeze(1)
-    if hit.numel() == 0:
-        return hit
-    nz = buf.view(-1, 8)[hit].nonzero()
-    return hit[nz[:, 0]] * 8 + nz[:, 1]
-
-
-_CANDIDATES_MIN = 1 << 16  # exact top-k through a candidate threshold from this many elements
-
-
-def _topk_by_candidates(score: torch.Tensor, k: int) -> Optional[torch.Tensor]:
-    """Exact :func:`topk_indices` of a large CPU score without a full ``torch.topk``: a threshold is
-    read off an evenly strided sample a little below its expected k-th largest value, every
-    element >= it becomes a candidate, and when there are at least k candidates the top-k of the
-    candidates (ties to the lowest index) is exactly the top-k of the tensor. None when the sample
-    missed (fewer than k candidates, also with NaN/inf scores): the caller takes the full path."""
-    n = score.numel()
-    if not bool(torch.isfinite(score.sum())):
-        return None
-    s = min(n, max(1 << 13, (64 * n) // max(k, 1)))  # ~64 k-th-largest hits expected in the sample
-    samp = score[:: max(1, n // s)]
-    s = samp.numel()
-    expect = k * s / n
-    for slack in (1.25, 2.0):
-        j = min(s, int(math.ceil(expect * slack + 4 * math.sqrt(expect) + 8)))
-        if j >= s:
-            return None
-        thr = torch.topk(samp, j, sorted=False).values.min()
-        cand = indices_where(score, thr)
-        if cand.numel() >= k:
-            if cand.numel() > n // 2:
-                return None
-            return cand[_topk_small(score[cand], k)]
-    return None
-
-
-def topk_indices(score: torch.Tensor, k: int) -> torch.Tensor:
-    """Ascending indices of the k largest entries of a flat ``score``.
-
-    Deterministic: among equal scores at the threshold the lowest indices win,
-    so the result equals sorting by (score descending, index ascending).
-    Large CPU scores go through :func:`_topk_by_candidates` (same result). On a device: ``torch.topk``
-    and a sort, no read (ties at the threshold are then torch's choice)."""
-    n = score.numel()
-    if k >= n:
-        return torch.arange(n, device=score.device)
-    if k <= 0:
-        return torch.empty(0, dtype=torch.long, device=score.device)
-    if not on_host(score):
-        return torch.topk(score, k, sorted=False).indices.sort().values
-    if n >= _CANDIDATES_MIN and 8 * k <= n and score.device.type == "cpu":
-        idx = _topk_by_candidates(score, k)
-        if idx is not None:
-            return idx
-    return _topk_small(score, k)
-
-
-def _topk_small(score: torch.Tensor, k: int) -> torch.Tensor:
-    n = score.numel()
-    if k >= n:
-        return torch.arange(n, device=score.device)
-    if k <= 0:
-        return torch.empty(0, dtype=torch.long, device=score.device)
-    thr = torch.topk(score, k, sorted=False).values.min()
-    gt = (score > thr).nonzero().squeeze(1)
-    need = k - gt.numel()
-    eq = (score == thr).nonzero().squeeze(1)[:max(need, 0)]
-    if gt.numel() + eq.numel() != k:  # NaN scores: fall back to torch's own choice
-        return torch.topk(score, k).indices.sort().values
-    return torch.cat([gt, eq]).sort().values
-
-
 def generator(seed: int, step: int, name: str, rank: int) -> torch.Generator:
     """Counter-based generator: the same (seed, step, name, rank) draws the same sample."""
     g = torch.Generator()
@@ -303,7 +202,7 @@ def sampled_indices(score: torch.Tensor, k: int, gen: torch.Generator, sample: f
         cand = pick(min(vals.numel(), math.ceil(ks * k / max(c, 1))))
         c = cand.numel()
     if c > SAMPLED_HIGH * k:
-        cand = cand[_topk_small(score[cand], k)]
+        cand = cand[topk_small(score[cand], k)]
     return cand
 
 
@@ -317,7 +216,7 @@ def bucket_abs(items) -> Tuple[torch.Tensor, List[int]]:
     if dev.type != "cpu" or total < (1 << 16):
         parts = [u.reshape(-1).float().abs() for u, _ in items]
         return (torch.cat(parts) if parts else torch.empty(0)), sizes
-    out = _fast.scratch("sparse/bucket-score", total, torch.float32, dev)
+    out = _cpu.scratch("sparse/bucket-score", total, torch.float32, dev)
     off = 0
     for (u, _), n in zip(items, sizes):
         torch.abs(u.reshape(-1).float(), out=out[off:off + n])
@@ -331,7 +230,7 @@ def abs_score(flat: torch.Tensor) -> torch.Tensor:
     n = flat.numel()
     if flat.device.type != "cpu" or n < (1 << 16):
         return flat.abs()
-    return torch.abs(flat, out=_fast.scratch("sparse/score", n, flat.dtype, flat.device))
+    return torch.abs(flat, out=_cpu.scratch("sparse/score", n, flat.dtype, flat.device))
 
 
 def split_budget(total: int, weights: Sequence[float], sizes: Sequence[int]) -> List[int]:
@@ -602,13 +501,13 @@ class SparseCompressor(Compressor):
 
     def decode(self, data, ctx, info):
         idx, val = self._entries(data, info)
-        out = _fast.empty(info.numel, device=data.device).zero_()
+        out = _cpu.empty(info.numel, device=data.device).zero_()
         out[idx] = val
         return out
 
     def aggregate(self, datas, ctx, info):
         """Scatter-add every rank's (indices, values) into one dense accumulator, in rank order."""
-        out = _fast.empty(info.numel, device=datas[0].device if datas else "cpu").zero_()
+        out = _cpu.empty(info.numel, device=datas[0].device if datas else "cpu").zero_()
         idxs, vals = [], []
         own = info.sent_entries
         for r, d in enumerate(datas):

@@ -124,7 +124,7 @@ class Compressor:
     # data): on a GPU such a bucket starts after backward, or on the overlap worker, never inside a
     # backward hook, where the wait would stop the CPU from queueing the rest of backward.
     reads_device: ClassVar[bool] = False
-    # Index+value codecs: scale out by sparse reduce-scatter (hvd_ext.exchange.sparse_rs).
+    # Index+value codecs: scale out by sparse reduce-scatter (hvd_ext.exchange.routes.sparse_rs).
     sparse: ClassVar[bool] = False
     # Two-phase exchange: the shard owner keeps an error-feedback memory of its re-compression.
     owner_feedback: ClassVar[bool] = True

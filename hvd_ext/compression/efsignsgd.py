@@ -25,7 +25,7 @@ from ..feedback.residual import compress_momentum
 from ..options import Option, non_negative
 from ._quant import chunk_means, chunks, expand_chunks
 from .base import Compressor, as_bytes, from_bytes, register
-from .bitpack import packed_bytes
+from ..ops.bits import packed_bytes
 from .signsgd import bits_to_sign, sign_aggregate_cpu, sign_bits, sign_compress_cpu
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _fast
+from ..ops import cpu_kernels as _cpu
 from .base import Compressor, register
 
 
@@ -44,7 +44,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, purpose: str) -> torch.Tensor:
         return t
     if t.device.type != "cpu" or t.numel() < (1 << 16):
         return t.to(dtype)
-    out = _fast.scratch(purpose, t.numel(), dtype, t.device)
+    out = _cpu.scratch(purpose, t.numel(), dtype, t.device)
     out.copy_(t)
     return out
 

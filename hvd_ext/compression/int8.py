@@ -8,19 +8,20 @@ stochastically instead (unbiased). A chunk with max == min decodes exactly.
 
 Wire bytes (allgather, fixed size): ``8 * ceil(n / chunk) + n``.
 
-Kernels: with ``stochastic=1`` on CUDA (``hvd_ext.kernels`` not forced off) the
+Kernels: with ``stochastic=1`` on CUDA (``hvd_ext.ops.cuda_kernels`` not forced off) the
 rounding is ``kernels.quantize_pack`` onto the levels 0..255 (bits=8: the codes
 are the bytes; same unbiased rule), seeded by ``derive_seed(seed, name, rank)``
-and the step; the CPU path uses the same counter hash (``_fast.uniform``) in one fused pass.
+and the step; the CPU path uses the same counter hash (``_cpu.uniform``) in one fused pass.
 """
 from __future__ import annotations
 
 import torch
 
-from .. import kernels as _K
+from ..ops import cuda_kernels as _K
 from ..ops.device import on_host
 from ..options import Option, non_negative
-from . import _fast, _quant
+from . import _quant
+from ..ops import cpu_kernels as _cpu
 from .base import Compressor, as_bytes, from_bytes, register
 
 
@@ -35,7 +36,7 @@ def _encode(v, key, codes_out, *, stochastic: bool):
     scale = torch.where(width > 0, 255.0 / width, torch.zeros_like(width))
     r = ((v - lo) * scale).reshape(-1)  # all k*c codes: the caller drops the padding
     if stochastic:
-        r = (r + _fast.uniform(r.numel(), key, v.device)).floor()
+        r = (r + _cpu.uniform(r.numel(), key, v.device)).floor()
     else:
         r = r.round()
     codes_out.copy_(torch.where(r == r, r, 0.0).clamp(0, 255).to(torch.uint8))
@@ -53,8 +54,8 @@ def _decode_sum(out, mms, codes_list, c: int):
     out.copy_(acc)
 
 
-_ENCODE = _fast.Kernel(_encode, "int8 encode")
-_DECODE_SUM = _fast.Kernel(_decode_sum, "int8 decode")
+_ENCODE = _cpu.Kernel(_encode, "int8 encode")
+_DECODE_SUM = _cpu.Kernel(_decode_sum, "int8 decode")
 
 
 @register("int8")
@@ -86,11 +87,11 @@ class Int8Compressor(Compressor):
                                      seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
             return as_bytes(torch.cat([lo, hi], dim=1).reshape(-1).contiguous(), codes), None
         k = v.shape[0]
-        payload = _fast.empty(8 * k + n, torch.uint8, flat.device)
-        key = (_fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
+        payload = _cpu.empty(8 * k + n, torch.uint8, flat.device)
+        key = (_cpu.stream_key_tensor(self.seed, info.name, info.rank, info.step)
                if self.stochastic else torch.zeros((), dtype=torch.int32))
         whole = v.numel() == n
-        codes = payload[8 * k:] if whole else _fast.scratch("int8", v.numel(), torch.uint8, flat.device)
+        codes = payload[8 * k:] if whole else _cpu.scratch("int8", v.numel(), torch.uint8, flat.device)
         mm = _ENCODE(n, flat.device, v, key, codes, stochastic=bool(self.stochastic))
         if not whole:
             payload[8 * k:].copy_(codes[:n])
@@ -113,9 +114,9 @@ class Int8Compressor(Compressor):
         parts = [self._split(d, n) for d in datas]
         c = self.chunk if self.chunk > 0 else n
         total = parts[0][0].shape[0] * c
-        out = _fast.empty(total, device=dev)
+        out = _cpu.empty(total, device=dev)
         _DECODE_SUM(n, dev, out, [m for m, _ in parts],
-                    [_fast.padded(q, total, f"int8/pad{r}") for r, (_, q) in enumerate(parts)], c)
+                    [_cpu.padded(q, total, f"int8/pad{r}") for r, (_, q) in enumerate(parts)], c)
         return out[:n]
 
     def wire_bytes(self, numel):

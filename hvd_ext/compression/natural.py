@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels as _K
+from ..ops import cuda_kernels as _K
 from ..options import Option, non_negative
 from ..ops.device import on_host
-from . import _fast, _quant
+from . import _quant
+from ..ops import cpu_kernels as _cpu
 from .base import Compressor, register
-from .bitpack import packed_bytes
+from ..ops.bits import packed_bytes
 
 _MANT = 1 << 23
 
@@ -44,8 +45,8 @@ class NaturalCompressor(Compressor):
             g = _quant.generator(self.seed, info.step, info.name, info.rank)
             u = torch.randint(0, _MANT, (n,), generator=g)
         else:  # on a device from the counter hash (no generator there, nothing to copy)
-            key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
-            u = _fast.hash32(torch.arange(n, dtype=torch.int32, device=flat.device), key) & (_MANT - 1)
+            key = _cpu.stream_key_tensor(self.seed, info.name, info.rank, info.step)
+            u = _cpu.hash32(torch.arange(n, dtype=torch.int32, device=flat.device), key) & (_MANT - 1)
         sub = exp == 0  # zero or subnormal: |x| = mant * 2^-149, round to 0 or 2^-126 (exp 1)
         up = u < mant
         exp = exp + up.long()

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels as _K
+from ..ops import cuda_kernels as _K
 from ..ops.device import on_host
 from ..options import Option, non_negative
-from . import _fast
+from ..ops import cpu_kernels as _cpu
 from ._quant import chunk_counts, chunks, padded_view
 from .signsgd import _chunked
 from .base import Compressor, as_bytes, from_bytes, register
-from .bitpack import packed_bytes
+from ..ops.bits import packed_bytes
 from ..feedback.residual import compress_momentum
 
 
@@ -59,8 +59,8 @@ def _decode_sum(out, codes_list, neg_list, pos_list, *, c: int):
     out.copy_(acc)
 
 
-_ENCODE = _fast.Kernel(_encode, "onebit encode")
-_DECODE_SUM = _fast.Kernel(_decode_sum, "onebit decode")
+_ENCODE = _cpu.Kernel(_encode, "onebit encode")
+_DECODE_SUM = _cpu.Kernel(_decode_sum, "onebit decode")
 
 
 @register("onebit")
@@ -81,9 +81,9 @@ class OneBitCompressor(Compressor):
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device), None
         if on_host(flat):
-            buf = _fast.codes_buffer("onebit", n, flat.device)
+            buf = _cpu.codes_buffer("onebit", n, flat.device)
             vals = _ENCODE(n, flat.device, flat, buf[:n], c=self.bucket if self.bucket > 0 else n)
-            return as_bytes(vals, _fast.pack_buffer(buf, n, 1)), None
+            return as_bytes(vals, _cpu.pack_buffer(buf, n, 1)), None
         pos = flat >= 0
         view = padded_view(flat, self.bucket)
         pview = padded_view(pos, self.bucket, False)
@@ -111,9 +111,9 @@ class OneBitCompressor(Compressor):
         size = self.bucket if self.bucket > 0 else n
         if on_host(datas[0]):
             total = c * size  # whole chunks; the padding is dropped below
-            codes = [_fast.padded(_fast.unpack_to_buffer(d[off:], 1, n, f"onebit/{r}"), total, f"onebit/pad{r}")
+            codes = [_cpu.padded(_cpu.unpack_to_buffer(d[off:], 1, n, f"onebit/{r}"), total, f"onebit/pad{r}")
                      for r, (d, (_, off)) in enumerate(zip(datas, parts))]
-            out = _fast.empty(total, device=dev)
+            out = _cpu.empty(total, device=dev)
             _DECODE_SUM(n, dev, out, codes, [v[0::2].contiguous() for v, _ in parts],
                         [v[1::2].contiguous() for v, _ in parts], c=size)
             return out[:n]

@@ -72,12 +72,12 @@ Payload of one layer (allgather; header then codes):
       wire bytes = ``4 + 4 * 2^b + ceil(n * b / 8)``
 (n = 0: no bytes.)  Randomness: generator seeded by (seed, step, crc32(name), rank).
 
-Kernels (``hvd_ext.kernels``): codes go through ``kernels.pack_bits`` /
+Kernels (``hvd_ext.ops.cuda_kernels``): codes go through ``kernels.pack_bits`` /
 ``unpack_bits``. On CUDA (kernels not forced off) step 3 is one
 ``kernels.quantize_pack`` pass of z onto the same levels (round up with
 probability (z - a)/(b - a), the same unbiased rule), its random numbers a
 counter hash seeded by ``derive_seed(seed, name, rank)`` and the step; the CPU
-path draws the dither from the same counter hash (``_fast.uniform``), in one fused
+path draws the dither from the same counter hash (``_cpu.uniform``), in one fused
 pass for up to 16 levels (selects over the level table; more levels: a search).
 (NaN inputs give arbitrary codes; such steps are skipped anyway.) The bucket format uses the
 same ``kernels.quantize_pack`` on CUDA, with z = x / s_j computed by torch first (levels on
@@ -94,12 +94,13 @@ from typing import Dict, Tuple
 
 import torch
 
-from .. import kernels as _K
+from ..ops import cuda_kernels as _K
 from ..ops.device import expect, on_host, read, upload
 from ..options import Option, non_negative
-from . import _fast, _quant
+from . import _quant
+from ..ops import cpu_kernels as _cpu
 from .base import Compressor, as_bytes, from_bytes, register
-from .bitpack import packed_bytes
+from ..ops.bits import packed_bytes
 
 from .qdist_levels import (DISTS, FIT_BINS, FIT_MAX_BITS, FIT_SAMPLE, GRID_MAX, bucket_scale_codes, bucket_scales,
                            dp_levels, dp_levels_device, edges_device, fit_edges32, grid_index, grid_index_device, level_table,
@@ -138,7 +139,7 @@ def _decode_buckets(out, codes_list, levels_list, scales_list, *, K: int):
     out.copy_(acc)
 
 
-# ---- fused CPU kernels (see ``_fast``) -------------------------------------------------------
+# ---- fused CPU kernels (see ``ops.cpu_kernels``) -------------------------------------------------------
 
 def _stats(x):
     """(mean, std, mean |x - mean|, max |x - mean|) as 0-d float32 tensors, fused."""
@@ -171,7 +172,7 @@ def _stochastic_codes(z, levels, key, K: int):
     width = c - a
     p = torch.where(width > 0, (z - a) / torch.where(width > 0, width, torch.ones_like(width)),
                     torch.zeros_like(z)).clamp(0, 1)
-    return idx + torch.where(_fast.uniform(z.numel(), key, z.device) < p, 1.0, 0.0)
+    return idx + torch.where(_cpu.uniform(z.numel(), key, z.device) < p, 1.0, 0.0)
 
 
 def _round(x, musig, levels, key, codes_out, *, K: int, zero: bool):
@@ -193,12 +194,12 @@ def _decode(out, codes_list, levels_list, musig_list, *, K: int):
     out.copy_(acc)
 
 
-_STATS = _fast.Kernel(_stats, "qdist fit")
-_ROUND = _fast.Kernel(_round, "qdist encode")
-_DECODE = _fast.Kernel(_decode, "qdist decode")
-_AMAX_B = _fast.Kernel(_bucket_amax, "qdist bucket max")
-_ROUND_B = _fast.Kernel(_round_buckets, "qdist bucket encode")
-_DECODE_B = _fast.Kernel(_decode_buckets, "qdist bucket decode")
+_STATS = _cpu.Kernel(_stats, "qdist fit")
+_ROUND = _cpu.Kernel(_round, "qdist encode")
+_DECODE = _cpu.Kernel(_decode, "qdist decode")
+_AMAX_B = _cpu.Kernel(_bucket_amax, "qdist bucket max")
+_ROUND_B = _cpu.Kernel(_round_buckets, "qdist bucket encode")
+_DECODE_B = _cpu.Kernel(_decode_buckets, "qdist bucket decode")
 
 
 # ---- the compressor -------------------------------------------------------------------------
@@ -370,14 +371,14 @@ class QDistCompressor(Compressor):
             z = (flat - mu) / sigma
         if K <= 16:
             n = flat.numel()
-            key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
+            key = _cpu.stream_key_tensor(self.seed, info.name, info.rank, info.step)
             musig = torch.tensor([mu, sigma if sigma > 0 else 1.0], dtype=torch.float32) if dist != "empirical" \
                 else torch.tensor([0.0, 1.0])
             zero = dist != "empirical" and (sigma == 0 or not math.isfinite(sigma) or not math.isfinite(mu)
                                             or not math.isfinite(t))
-            buf = _fast.codes_buffer("qdist", n, dev)
+            buf = _cpu.codes_buffer("qdist", n, dev)
             _ROUND(n, dev, flat, musig.to(dev), levels.to(torch.float32), key, buf[:n], K=K, zero=zero)
-            packed = _fast.pack_buffer(buf, n, b)
+            packed = _cpu.pack_buffer(buf, n, b)
         else:
             packed = _K.pack_bits(self._round(z, levels, info), b)
         return torch.cat([head, packed]), None
@@ -439,12 +440,12 @@ class QDistCompressor(Compressor):
         s2 = scales.view(-1, 1)
         inv = torch.where(s2 > 0, 1.0 / torch.where(s2 > 0, s2, torch.ones_like(s2)), torch.zeros_like(s2))
         if K <= 16:
-            key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
+            key = _cpu.stream_key_tensor(self.seed, info.name, info.rank, info.step)
             total = v.numel()
-            buf = _fast.scratch("qdist/b", max(total, 8 * ((n + 7) // 8)), torch.uint8, dev)
+            buf = _cpu.scratch("qdist/b", max(total, 8 * ((n + 7) // 8)), torch.uint8, dev)
             _ROUND_B(total, dev, v.reshape(-1), inv, levels.to(torch.float32).contiguous(), key, buf[:total], K=K)
             buf[n:].zero_()
-            packed = _fast.pack_buffer(buf[:8 * ((n + 7) // 8)], n, b)
+            packed = _cpu.pack_buffer(buf[:8 * ((n + 7) // 8)], n, b)
         else:
             z = v * inv
             packed = _K.pack_bits(self._round(z.reshape(-1)[:n].clamp(-1.0, 1.0), levels, info), b)
@@ -476,9 +477,9 @@ class QDistCompressor(Compressor):
         total = _quant.chunks(n, B) * B
         K = 2 ** parts[0][0]
         if K <= 16 and all(p[0] == parts[0][0] for p in parts):
-            codes = [_fast.padded(_fast.unpack_to_buffer(p[3], p[0], n, f"qdist/b{r}"), total, f"qdist/bpad{r}")
+            codes = [_cpu.padded(_cpu.unpack_to_buffer(p[3], p[0], n, f"qdist/b{r}"), total, f"qdist/bpad{r}")
                      for r, p in enumerate(parts)]
-            out = _fast.empty(total, device=dev)
+            out = _cpu.empty(total, device=dev)
             _DECODE_B(total, dev, out, codes, [p[1].contiguous() for p in parts], [p[2] for p in parts], K=K)
             return out[:n]
         out = None
@@ -505,8 +506,8 @@ class QDistCompressor(Compressor):
         width = c - a
         p = torch.where(width > 0, (z - a) / torch.where(width > 0, width, torch.ones_like(width)),
                         torch.zeros_like(z)).clamp_(0, 1)
-        key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
-        up = _fast.uniform(z.numel(), key, z.device) < p
+        key = _cpu.stream_key_tensor(self.seed, info.name, info.rank, info.step)
+        up = _cpu.uniform(z.numel(), key, z.device) < p
         return (idx + up.long()).to(torch.uint8)
 
     def decode(self, data, ctx, info):
@@ -557,7 +558,7 @@ class QDistCompressor(Compressor):
                 if sigma == 0 or not math.isfinite(sigma):
                     return None
                 levels = level_table(DISTS[dcode], b, k)[0].to(data.device)
-            parts.append((_fast.unpack_to_buffer(data[off:], b, n, f"qdist/{r}"), levels.contiguous(),
+            parts.append((_cpu.unpack_to_buffer(data[off:], b, n, f"qdist/{r}"), levels.contiguous(),
                           musig.contiguous(), b))
         return parts
 
@@ -576,7 +577,7 @@ class QDistCompressor(Compressor):
         if parts is None:
             return super().aggregate(datas, ctx, info)
         dev = datas[0].device
-        out = _fast.empty(n, device=dev)
+        out = _cpu.empty(n, device=dev)
         _DECODE(n, dev, out, [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts],
                 K=2 ** parts[0][3])
         return out

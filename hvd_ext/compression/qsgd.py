@@ -13,13 +13,13 @@ Wire bytes (exchanged by allgather, fixed size):
 ``4 * ceil(n / bucket) + ceil(n * b / 8)`` (one float32 norm per bucket,
 then the packed codes; ``bucket=0``: one norm).
 
-Kernels (``hvd_ext.kernels``): codes are packed / unpacked by ``kernels.pack_bits``
+Kernels (``hvd_ext.ops.cuda_kernels``): codes are packed / unpacked by ``kernels.pack_bits``
 / ``unpack_bits``. On CUDA (kernels not forced off) the rounding and packing are
 one ``kernels.quantize_pack`` pass over the signed level ``+-s|v_i|/norm`` with
 the integer levels ``-s..s`` (the same unbiased rule, code = level + s), its
 random numbers a counter hash seeded by ``derive_seed(seed, name, rank)`` and
 the step; the CPU path draws the
-dither from the same counter hash (``_fast.uniform``) inside one fused pass.
+dither from the same counter hash (``_cpu.uniform``) inside one fused pass.
 """
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ import math
 
 import torch
 
-from .. import kernels as _K
+from ..ops import cuda_kernels as _K
 from ..ops.device import on_host
 from ..options import Option, non_negative
-from . import _fast, _quant
+from . import _quant
+from ..ops import cpu_kernels as _cpu
 from .base import Compressor, as_bytes, from_bytes, register
-from .bitpack import packed_bytes
+from ..ops.bits import packed_bytes
 
 
 def _encode(v, key, codes_out, n: int, *, s: int, l2: bool):
@@ -42,7 +43,7 @@ def _encode(v, key, codes_out, n: int, *, s: int, l2: bool):
     safe = torch.where(norms > 0, norms, torch.ones_like(norms))
     r = v.abs() / safe * s
     lo = r.floor()
-    u = _fast.uniform(v.numel(), key, v.device).view(v.shape)
+    u = _cpu.uniform(v.numel(), key, v.device).view(v.shape)
     lvl = (lo + torch.where(u < r - lo, 1.0, 0.0)).clamp(max=s)
     signed = torch.where(v < 0, -lvl, lvl) + s
     # all k*c codes (padding included): a copy of a slice [:n] lost the last partial bucket once
@@ -67,8 +68,8 @@ def _decode_sum(out, norms_list, codes_list, c: int, *, s: int):
     out.copy_(acc)
 
 
-_ENCODE = _fast.Kernel(_encode, "qsgd encode")
-_DECODE_SUM = _fast.Kernel(_decode_sum, "qsgd decode")
+_ENCODE = _cpu.Kernel(_encode, "qsgd encode")
+_DECODE_SUM = _cpu.Kernel(_decode_sum, "qsgd decode")
 
 
 @register("qsgd")
@@ -117,18 +118,18 @@ class QSGDCompressor(Compressor):
             packed = _K.quantize_pack(torch.where(flat < 0, -r, r), levels, 1.0, self.b,
                                       seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
             return as_bytes(norms.reshape(-1).contiguous(), packed), None
-        key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
+        key = _cpu.stream_key_tensor(self.seed, info.name, info.rank, info.step)
         k = v.shape[0]
         if self.b == 8 and k * v.shape[1] == n:  # codes are the payload bytes: write them after the norms
-            payload = _fast.empty(4 * k + n, torch.uint8, flat.device)
+            payload = _cpu.empty(4 * k + n, torch.uint8, flat.device)
             norms = _ENCODE(n, flat.device, v, key, payload[4 * k:], n, s=self.s, l2=self.norm == "l2")
             payload[:4 * k].copy_(norms.view(torch.uint8))
             return payload, None
         m = max(v.numel(), 8 * ((n + 7) // 8))
-        buf = _fast.scratch("qsgd", m, torch.uint8, flat.device)
+        buf = _cpu.scratch("qsgd", m, torch.uint8, flat.device)
         norms = _ENCODE(n, flat.device, v, key, buf[:v.numel()], n, s=self.s, l2=self.norm == "l2")
         buf[n:].zero_()
-        return as_bytes(norms, _fast.pack_buffer(buf[:8 * ((n + 7) // 8)], n, self.b)), None
+        return as_bytes(norms, _cpu.pack_buffer(buf[:8 * ((n + 7) // 8)], n, self.b)), None
 
     def _split(self, data, n):
         norms, off = from_bytes(data, 0, torch.float32, _quant.chunks(n, self.bucket))
@@ -155,9 +156,9 @@ class QSGDCompressor(Compressor):
                 out = dense if out is None else out.add_(dense)
             return out
         total = parts[0][0].numel() * c
-        codes = [_fast.padded(_fast.unpack_to_buffer(d, self.b, n, f"qsgd/{r}"), total, f"qsgd/pad{r}")
+        codes = [_cpu.padded(_cpu.unpack_to_buffer(d, self.b, n, f"qsgd/{r}"), total, f"qsgd/pad{r}")
                  for r, (_, d) in enumerate(parts)]
-        out = _fast.empty(total, device=dev)
+        out = _cpu.empty(total, device=dev)
         _DECODE_SUM(n, dev, out, [p[0] for p in parts], codes, c, s=self.s)
         return out[:n]
 

@@ -32,7 +32,7 @@ import zlib
 
 import torch
 
-from .. import kernels as _K
+from ..ops import cuda_kernels as _K
 from ..ops.device import in_range
 from ..feedback.residual import compress_momentum
 from ..options import Option, fraction, non_negative

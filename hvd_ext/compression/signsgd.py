@@ -31,7 +31,7 @@ Wire bytes (allgather, fixed size): ``4 * chunks + ceil(n / 8)`` with
 ``scale=l1`` (chunks = ``ceil(n / bucket)``, 1 for ``bucket=0``);
 ``ceil(n / 8)`` with ``scale=none``.
 
-Kernels (``hvd_ext.kernels``): the bits are made by ``kernels.sign_pack`` (same
+Kernels (``hvd_ext.ops.cuda_kernels``): the bits are made by ``kernels.sign_pack`` (same
 convention: bit 1 iff ``x >= 0``, NaN -> 0) and read by ``kernels.unpack_bits``;
 on CUDA the vote is ``kernels.majority_vote`` (tie -> +1 there, so for an even
 number of ranks the vote of the complemented bits is subtracted to get this
@@ -43,13 +43,13 @@ import warnings
 
 import torch
 
-from .. import kernels as _K
+from ..ops import cuda_kernels as _K
 from ..ops.device import on_host
 from ..options import Option, non_negative
-from . import _fast
+from ..ops import cpu_kernels as _cpu
 from ._quant import chunk_means, chunks, expand_chunks
 from .base import Compressor, as_bytes, from_bytes, register
-from .bitpack import packed_bytes
+from ..ops.bits import packed_bytes
 
 #: ``scale`` and ``bucket`` options of the majority-vote codecs (signsgd, signum).
 VOTE_OPTIONS = {
@@ -84,7 +84,7 @@ def vote_sum(datas, n: int) -> torch.Tensor:
     return torch.sign(votes).mul_(N)
 
 
-# ---- fused CPU paths (see ``_fast``) -------------------------------------------------------------
+# ---- fused CPU paths (see ``ops.cpu_kernels``) -------------------------------------------------------------
 
 def _chunked(x, c: int):
     """(k, c) view of flat x, zero-padded at the end when c does not divide its length."""
@@ -141,16 +141,16 @@ def _vote(out, codes_list, scale_list, *, c: int, vote: bool):
     out.copy_(acc)
 
 
-SIGN_ENCODE = _fast.Kernel(_sign_encode, "sign encode")
-VOTE = _fast.Kernel(_vote, "sign decode")
+SIGN_ENCODE = _cpu.Kernel(_sign_encode, "sign encode")
+VOTE = _cpu.Kernel(_vote, "sign decode")
 
 
 def sign_compress_cpu(x, bucket: int, scales: bool, purpose: str):
     """(per-chunk mean |x| or None, packed sign bits) of a flat CPU tensor, fused."""
     n = x.numel()
-    buf = _fast.codes_buffer(purpose, n, x.device)
+    buf = _cpu.codes_buffer(purpose, n, x.device)
     s = SIGN_ENCODE(n, x.device, x, buf[:n], c=bucket if bucket > 0 else max(n, 1), scales=scales)
-    return s, _fast.pack_buffer(buf, n, 1)
+    return s, _cpu.pack_buffer(buf, n, 1)
 
 
 def sign_aggregate_cpu(bit_list, scale_list, n: int, bucket: int, vote: bool, purpose: str):
@@ -158,9 +158,9 @@ def sign_aggregate_cpu(bit_list, scale_list, n: int, bucket: int, vote: bool, pu
     dev = bit_list[0].device
     c = bucket if bucket > 0 else max(n, 1)
     total = scale_list[0].numel() * c if scale_list else n  # whole chunks; the padding is dropped below
-    codes = [_fast.padded(_fast.unpack_to_buffer(b, 1, n, f"{purpose}/{r}"), total, f"{purpose}/pad{r}")
+    codes = [_cpu.padded(_cpu.unpack_to_buffer(b, 1, n, f"{purpose}/{r}"), total, f"{purpose}/pad{r}")
              for r, b in enumerate(bit_list)]
-    out = _fast.empty(total, device=dev)
+    out = _cpu.empty(total, device=dev)
     VOTE(n, dev, out, codes, list(scale_list), c=c, vote=vote)
     return out[:n]
 
@@ -251,7 +251,7 @@ class MajorityVote(Compressor):
         chunk means of |vote|, a tie counting 0); a tied vote (0) becomes a fair coin drawn from the
         counter hash, so the shard stays unbiased where one bit cannot say 0."""
         v = tensor.reshape(-1).float()
-        coin = _fast.uniform(v.numel(), _fast.stream_key_tensor(0, info.name, info.rank, info.step), v.device) < 0.5
+        coin = _cpu.uniform(v.numel(), _cpu.stream_key_tensor(0, info.name, info.rank, info.step), v.device) < 0.5
         bits = sign_bits(torch.where(v == 0, torch.where(coin, 1.0, -1.0), v))
         if self.scale == "l1" and v.numel():
             return as_bytes(chunk_means(v.abs(), self.bucket), bits), None

@@ -12,23 +12,23 @@ own scaler, so no extra collective is needed.
 Ternary value ``t in {-1, 0, 1}`` is sent as the 2-bit code ``t + 1``.
 Wire bytes (allgather, fixed size): ``4 + ceil(2 * n / 8)`` (float32 scaler + codes).
 
-Kernels (``hvd_ext.kernels``): codes go through ``kernels.pack_bits`` /
+Kernels (``hvd_ext.ops.cuda_kernels``): codes go through ``kernels.pack_bits`` /
 ``unpack_bits``; on CUDA (kernels not forced off) rounding + packing are one
 ``kernels.quantize_pack`` of ``g / s`` onto the levels (-1, 0, 1) (same
 Bernoulli(|g_i|/s) rule, code = t + 1), seeded by ``derive_seed(seed, name,
 rank)`` and the step; the CPU path draws the
-dither from the same counter hash (``_fast.uniform``) inside one fused pass.
+dither from the same counter hash (``_cpu.uniform``) inside one fused pass.
 """
 from __future__ import annotations
 
 import torch
 
-from .. import kernels as _K
+from ..ops import cuda_kernels as _K
 from ..ops.device import on_host
 from ..options import Option, non_negative
-from . import _fast
+from ..ops import cpu_kernels as _cpu
 from .base import Compressor, as_bytes, from_bytes, register
-from .bitpack import packed_bytes
+from ..ops.bits import packed_bytes
 
 
 def _encode(x, key, codes_out, *, clip: float):
@@ -42,7 +42,7 @@ def _encode(x, key, codes_out, *, clip: float):
         g = torch.maximum(torch.minimum(g, c), -c)
     s = g.abs().amax()
     p = g.abs() / torch.where(s > 0, s, torch.ones_like(s))
-    keep = _fast.uniform(n, key, g.device) < p
+    keep = _cpu.uniform(n, key, g.device) < p
     codes_out.copy_(torch.where(keep, torch.where(g < 0, 0.0, 2.0), 1.0).to(torch.uint8))
     return s
 
@@ -55,8 +55,8 @@ def _decode_sum(out, scalers, codes_list):
     out.copy_(acc)
 
 
-_ENCODE = _fast.Kernel(_encode, "terngrad encode")
-_DECODE_SUM = _fast.Kernel(_decode_sum, "terngrad decode")
+_ENCODE = _cpu.Kernel(_encode, "terngrad encode")
+_DECODE_SUM = _cpu.Kernel(_decode_sum, "terngrad decode")
 
 
 @register("terngrad")
@@ -81,10 +81,10 @@ class TernGradCompressor(Compressor):
             packed = _K.quantize_pack(flat / torch.where(s > 0, s, torch.ones_like(s)), levels, 1.0, 2,
                                       seed=_K.derive_seed(self.seed, info.name, info.rank), step=info.step)
             return as_bytes(s.reshape(1), packed), None
-        key = _fast.stream_key_tensor(self.seed, info.name, info.rank, info.step)
-        buf = _fast.codes_buffer("terngrad", n, flat.device)
+        key = _cpu.stream_key_tensor(self.seed, info.name, info.rank, info.step)
+        buf = _cpu.codes_buffer("terngrad", n, flat.device)
         s = _ENCODE(n, flat.device, tensor.reshape(-1), key, buf[:n], clip=float(self.clip))
-        return as_bytes(s.reshape(1), _fast.pack_buffer(buf, n, 2)), None
+        return as_bytes(s.reshape(1), _cpu.pack_buffer(buf, n, 2)), None
 
     def decode(self, data, ctx, info):
         return self.aggregate([data], ctx, info)
@@ -101,9 +101,9 @@ class TernGradCompressor(Compressor):
                 dense = (_K.unpack_bits(d[off:], 2, n).float() - 1) * s
                 out = dense if out is None else out.add_(dense)
             return out
-        codes = [_fast.unpack_to_buffer(d[off:], 2, n, f"terngrad/{r}") for r, (d, (_, off)) in
+        codes = [_cpu.unpack_to_buffer(d[off:], 2, n, f"terngrad/{r}") for r, (d, (_, off)) in
                  enumerate(zip(datas, parts))]
-        out = _fast.empty(n, device=dev)
+        out = _cpu.empty(n, device=dev)
         _DECODE_SUM(n, dev, out, [s for s, _ in parts], codes)
         return out
 

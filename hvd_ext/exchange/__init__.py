@@ -2,13 +2,13 @@
 
 * :mod:`.transport` -- primitive collectives: Horovod's (the only calls to
   Horovod collectives in hvd_ext) and the interface a simulated world implements;
-* :mod:`.simulated` -- an in-process N-rank world for unit tests;
 * :mod:`.core` -- :class:`Exchange`: fused buckets, the non-finite flag, byte counts;
 * :mod:`.cost` -- wire bytes per collective and the alpha-beta cost model;
-* :mod:`.twophase` and :mod:`.sparse_rs` -- the scalable compressed exchanges
-  (two-phase compressed allreduce; sparse reduce-scatter);
-* :mod:`.hierarchical` -- the node-aware exchange: dense inside a node,
-  compressed across nodes, each local rank carrying 1/L of the bucket.
+* :mod:`.probe` -- link measurements (latency, bandwidth, intra/inter node);
+* :mod:`.routes` -- how a bucket travels: allreduce, allgather, two-phase,
+  sparse reduce-scatter, node-aware (one module each) and the route choice.
+
+The in-process N-rank world for tests lives in :mod:`hvd_ext.testing.simulated`.
 
 The node-aware exchange needs nothing at ``hvd.init``: its node groups ride
 on alltoalls of the global process set (:class:`GroupTransport`). With
@@ -19,6 +19,5 @@ hvd_ext.exchange.node_process_sets())`` -- or be addable at run time --
 without either, one warning says so and the exchange stays flat.
 """
 from .core import Exchange, ExchangeStats, Pending, frame, unframe  # noqa: F401
-from .simulated import SimulatedTransport, SimulatedWorld, run_world  # noqa: F401
 from .transport import (GroupTransport, HorovodTransport, NodeGroupsUnavailable, Topology,  # noqa: F401
                         Transport, node_process_sets, offsets, split_sizes)

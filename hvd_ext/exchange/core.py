@@ -53,8 +53,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..ops.device import expect, nonfinite as nonfinite_flag, on_host, read, upload
+from ..ops.cpu_kernels import empty, sum_float32
 from . import cost
-from .transport import HorovodTransport, Transport, offsets
+from . import probe
+from .transport import _NODE_GROUPS, HorovodTransport, NodeGroupsUnavailable, Transport, offsets
 
 _HDR = 8  # flags + count
 
@@ -258,7 +260,6 @@ class Exchange:
         """(exchange over this rank's node, exchange over the ranks with this local rank on every node),
         both summing (op "sum"), counting into this exchange's ``stats``. Made once, by every rank in
         the same order; raises :class:`~hvd_ext.exchange.transport.NodeGroupsUnavailable`."""
-        from .transport import NodeGroupsUnavailable
 
         if isinstance(self._node, str):
             raise NodeGroupsUnavailable(self._node)
@@ -278,7 +279,6 @@ class Exchange:
         :meth:`node_exchanges` succeeded), else the cost model's defaults (``HVD_EXT_NODE_LINKS=default``
         or a transport whose timings mean nothing). The same on every rank."""
         if self._node_model is None:
-            from . import probe
 
             if probe.node_links_setting() == "measure" and self.transport.measurable:
                 # once per process set and world: a second optimizer (a GAN's) takes the same links
@@ -295,8 +295,6 @@ class Exchange:
 
     def forget_nodes(self) -> None:
         """The world changed (elastic): node groups and node links are made again when next asked."""
-        from . import probe
-        from .transport import _NODE_GROUPS
 
         key = id(getattr(self.transport, "process_set", None))
         _NODE_GROUPS.pop(key, None)
@@ -305,7 +303,6 @@ class Exchange:
 
     def use_node_model(self, model: "cost.NodeModel", source: str = "given") -> None:
         """Take ``model`` as the node links instead of measuring them (a replay of a measured run)."""
-        from . import probe
 
         self._node_model = model
         self.node_links = dict(probe.describe(model), source=source)
@@ -336,7 +333,6 @@ class Exchange:
         buf = self._pool.get(tag)
         if (buf is None or tag in self._busy or buf.numel() != n or buf.dtype != parts[0].dtype
                 or buf.device != parts[0].device):
-            from ..compression._fast import empty
             buf = empty(n, dtype=parts[0].dtype, device=parts[0].device)
             if tag not in self._busy:
                 self._pool[tag] = buf
@@ -425,7 +421,6 @@ class Exchange:
     def _half_reduce(self, rows: torch.Tensor) -> torch.Tensor:
         """Half-precision rows (one per rank) -> op(rows) in float32, rounded back to the rows' dtype
         (as Horovod would for float16); in cache-sized chunks on CPU (``sum_float32``)."""
-        from ..compression._fast import sum_float32
 
         f = self.prescale_factor * self.postscale_factor / (self.size if self.op_name == "average" else 1)
         return sum_float32(list(rows), f, torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device))

@@ -6,7 +6,7 @@ Two implementations of one small interface:
   set (``allreduce_async_``, ``allgather_async``, ``alltoall_async``,
   ``synchronize``, ``allgather_object``, ``broadcast_object``). The only code in
   hvd_ext that calls Horovod collectives.
-* :class:`~hvd_ext.exchange.simulated.SimulatedTransport` -- an in-process
+* :class:`~hvd_ext.testing.simulated.SimulatedTransport` -- an in-process
   N-rank world (one thread per rank) with the same semantics, so unit tests
   run the real pipeline for any N without launching processes.
 
@@ -17,7 +17,7 @@ with the same ``name`` (the rule of consistency); handles are completed by
 Nodes: ``topology()`` says how the ranks sit on nodes (Horovod's local and
 cross ranks) and ``node_groups()`` returns two transports, over this rank's
 node and over the ranks with this local rank on every node, for the
-node-aware exchange (:mod:`hvd_ext.exchange.hierarchical`). Two ways to make
+node-aware exchange (:mod:`hvd_ext.exchange.routes.hierarchical`). Two ways to make
 them on Horovod (``HVD_EXT_NODE_GROUPS``):
 
 * ``alltoall`` (default): :class:`GroupTransport` -- every group collective

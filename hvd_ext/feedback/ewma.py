@@ -33,7 +33,7 @@ sigma comes from ``info.scale`` (set by the pipeline), else 1/N.
 Without a support mask from the compressor, Omega = {G != 0}. ``lambda=0`` is
 exactly residual error feedback. S is part of the state dict.
 
-Kernels: on CUDA (``hvd_ext.kernels`` present and not forced off) the S update
+Kernels: on CUDA (``hvd_ext.ops.cuda_kernels`` present and not forced off) the S update
 is ``kernels.ewma_update`` (one fused masked pass; beta and 1-beta rounded to
 float32 and the products rounded separately, as torch does) and ``u - sent`` is
 ``kernels.residual_update``; elsewhere the torch code below.
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels as _K
+from ..ops import cuda_kernels as _K
 from ..options import Option, non_negative, unit_interval
 from .base import Feedback, register
 from .residual import residual_of

@@ -23,7 +23,7 @@ onebit) under SGD momentum, randomk under SGD momentum and the Adam family. Not
 the default otherwise: measured on the main job's CNN (SGD lr 0.05 / momentum
 0.9) it changed topk, powersgd and int8 by less than 2 points after 8 epochs.
 
-On CUDA float32 tensors (``hvd_ext.kernels`` present and not forced off) the new
+On CUDA float32 tensors (``hvd_ext.ops.cuda_kernels`` present and not forced off) the new
 memory is written by the fused ``kernels.residual_update`` (one pass); elsewhere
 ``u - sent`` in torch (the same float32 values).
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels as _K
+from ..ops import cuda_kernels as _K
 from ..options import Option
 from .base import Feedback, MomentumTakeover, register
 

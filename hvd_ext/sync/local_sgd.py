@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..ops.device import any_nonfinite
+from ..optimizer import fingerprint_mismatch, horovod_elastic, same_world, world_of
 from ..options import Option
 from ._common import FlatState, check_optimizer_model, exchange_for, is_distributed_optimizer, resolve, stats_for
 
@@ -77,7 +78,6 @@ def finite_average(tensors: List[torch.Tensor], name: str, process_set=None) -> 
 
 def check_same_config(owner: str, fingerprint: Dict[str, Any], process_set=None) -> None:
     """Once at construction: every rank raises ValueError naming what differs across ranks."""
-    from ..optimizer import fingerprint_mismatch
 
     msg = fingerprint_mismatch(exchange_for(process_set).allgather_object(fingerprint, "hvd_ext.sync.config"), owner)
     if msg is not None:
@@ -136,7 +136,6 @@ class LocalSGD(_NoSharedState):
                              "tensors": [tuple(t.shape) for t in self.state.params + self.state.buffers],
                              "momentum": bool(self.state.momentum)}
         # Horovod elastic: no collective at construction; check and agree at the first step of each world
-        from ..optimizer import horovod_elastic, world_of
 
         self._elastic = self.included and horovod_elastic()
         self._world = world_of(exchange_for(self.process_set, optimizer)) if self._elastic else None
@@ -150,7 +149,6 @@ class LocalSGD(_NoSharedState):
         """Under Horovod elastic, at the top of ``step()``/``finish()``: after a re-initialisation of
         Horovod (a worker left or joined) check the configuration and agree on the counters again,
         then set the gradient-exchange mode from the agreed counters -- the same on every rank."""
-        from ..optimizer import same_world, world_of
 
         world = world_of(exchange_for(self.process_set, self.optimizer))
         if not same_world(self._world, world):

@@ -33,7 +33,7 @@ hooks run, ``"step"`` otherwise) with the source line of each one (``counter.sit
 
 Each thread that runs code on emulated tensors must enter its own :class:`EmulatedDevice`
 (PyTorch keeps function modes per thread); give them one shared :class:`SyncCounter` to
-count together. Kernel launches need a stand-in too: ``hvd_ext.kernels`` then runs its torch
+count together. Kernel launches need a stand-in too: ``hvd_ext.ops.cuda_kernels`` then runs its torch
 references (CuPy finds no device), or a test installs a CPU execution of the CUDA sources.
 """
 from __future__ import annotations

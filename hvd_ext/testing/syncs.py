@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .device import EmulatedDevice, SyncCounter, to_device, to_host
+from .harness import run_pipeline
 
 # The issue's model: 20 tensors of 64 to 131k elements.
 DEFAULT_SHAPES = [(64,), (128, 512), (512,), (256, 256), (1024, 128), (64, 64), (131072,), (300,), (96, 96),
@@ -63,7 +64,6 @@ def count_syncs(spec: str, size: int, *, route: Optional[str] = None, shapes: Se
                 steps: int = 5, warm: int = 2, bucket_bytes: int = 25 * 1024 * 1024, ranks_per_node: int = 0,
                 seed: int = 0, timeout: float = 300.0, **kw) -> SyncReport:
     """Run ``spec`` on ``size`` emulated-GPU ranks for ``steps`` steps; count from step ``warm`` on."""
-    from ..exchange.harness import run_pipeline
 
     grads = make_grads(shapes, size, steps, seed)
     grads = [[{n: to_device(t) for n, t in per.items()} for per in step] for step in grads]

@@ -1,7 +1,7 @@
-"""Build ``kernels/*.cu`` for the CPU and run them as ``hvd_ext.kernels``' runtime.
+"""Build ``kernels/*.cu`` for the CPU and run them as ``hvd_ext.ops.cuda_kernels``' runtime.
 
     lib = build()                         # g++, cached under build/cuda_cpu/
-    prev = hvd_ext.kernels.use_runtime(CpuRuntime(lib))
+    prev = hvd_ext.ops.cuda_kernels.use_runtime(CpuRuntime(lib))
 
 The sources are the ones CuPy compiles (``kernels.kernel_source``: common.cuh inlined); one
 rewrite makes them C++ -- ``extern __shared__ T name[];`` becomes the launch's dynamic shared
@@ -12,7 +12,7 @@ Variants: ``plain`` (-O2), ``asan`` (AddressSanitizer + UndefinedBehaviorSanitiz
 (ThreadSanitizer). A sanitizer library must come first in the process, so sanitizer builds run
 in a child process started with :func:`sanitizer_env`.
 
-:class:`CpuRuntime` is a runtime for ``hvd_ext.kernels.use_runtime``: it takes tensors that
+:class:`CpuRuntime` is a runtime for ``hvd_ext.ops.cuda_kernels.use_runtime``: it takes tensors that
 ``hvd_ext.ops.device.on_host`` calls device tensors (the emulated GPU of
 ``hvd_ext.testing.device``), or -- ``all_tensors=True`` -- CPU tensors too, and passes their
 data pointers to the kernels.
@@ -31,7 +31,7 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
-from hvd_ext import kernels as K
+from hvd_ext.ops import cuda_kernels as K
 from hvd_ext.ops.device import on_host
 
 HERE = Path(__file__).resolve().parent
@@ -110,7 +110,7 @@ def sanitizer_env(variant: str) -> Dict[str, str]:
 
 
 class CpuRuntime:
-    """An ``hvd_ext.kernels`` runtime that executes the kernels on CPU threads (see the module docstring)."""
+    """An ``hvd_ext.ops.cuda_kernels`` runtime that executes the kernels on CPU threads (see the module docstring)."""
 
     name = "cpu"
 

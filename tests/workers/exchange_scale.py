@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 import hvd_ext  # noqa: E402
 from common import emit, exchanged_steps  # noqa: E402
-from hvd_ext.exchange.harness import run_pipeline  # noqa: E402
+from hvd_ext.testing.harness import run_pipeline  # noqa: E402
 
 hvd.init()
 torch.set_num_threads(1)

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import hvd_ext  # noqa: E402
 from common import emit, exchanged_steps  # noqa: E402
 from hvd_ext.exchange import node_process_sets  # noqa: E402
-from hvd_ext.exchange.harness import run_pipeline  # noqa: E402
+from hvd_ext.testing.harness import run_pipeline  # noqa: E402
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "alltoall"
 os.environ["HVD_EXT_NODE_GROUPS"] = "alltoall" if MODE in ("alltoall", "links") else "process_sets"

@@ -25,7 +25,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .core import Exchange
+from ..exchange.core import Exchange
+from ..pipeline import GradientPipeline
+from ..spec import compression_from_spec
 from .simulated import SimulatedWorld
 
 
@@ -48,9 +50,6 @@ def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *,
                  dense_steps: int = 0, node_model=None, overlap: bool = False, hooks: bool = False,
                  rank_context: Optional[Callable[[int], Any]] = None,
                  on_phase: Optional[Callable[[int, str], None]] = None) -> List[RankRun]:
-    from ..compression import compression_from_spec
-    from ..pipeline import GradientPipeline
-
     names = list(grads[0][0])
     world = SimulatedWorld(size, timeout=timeout, ranks_per_node=ranks_per_node, process_sets=process_sets,
                            groups=groups)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .transport import GroupTransport, NodeGroupsUnavailable, Topology, Transport
+from ..exchange.transport import GroupTransport, NodeGroupsUnavailable, Topology, Transport
 
 
 class SimulatedWorld:

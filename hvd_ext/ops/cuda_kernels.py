@@ -42,16 +42,16 @@ Counter-based random numbers (``quantize_pack``), identical in CUDA (kernels/com
     hash(key, i)    = mix32(lo32(i) ^ k), k = key if hi32(i) == 0 else mix32(key ^ (hi32(i) * 0x9e3779b9 mod 2^32))
     uniform(key, i) = (hash(key, i) >> 8) * 2^-24                  in [0, 1)
 
-BIT ORDER CONTRACT (shared with ``hvd_ext/compression/bitpack.py``): a
+BIT ORDER CONTRACT (shared with ``hvd_ext/ops/bits.py``): a
 little-endian bitstream; code i occupies stream bits [i*bits, (i+1)*bits),
 LSB of the code first; stream bit j is bit (j % 8) of byte j // 8. n codes
 take ceil(n*bits/8) bytes; unused high bits of the last byte are 0.
-``hvd_ext.compression.bitpack`` is the one torch implementation of it:
+``hvd_ext.ops.bits`` is the one torch implementation of it:
 ``pack_bits_reference`` / ``unpack_bits_reference`` (and so the torch paths of
 ``quantize_pack``, ``sign_pack``, ``majority_vote``, ...) delegate there.
 
 Who calls what: the compressors' device paths (``ops.device.on_host`` false) call these
-functions; their host paths are their own fused CPU code (``compression._fast``).
+functions; their host paths are their own fused CPU code (``ops.cpu_kernels``).
 
 * bit packing (qsgd, qdist, terngrad, natural, onebit, signsgd family): ``pack_bits`` /
   ``unpack_bits`` / ``sign_pack``;
@@ -81,7 +81,7 @@ import numpy as np
 import torch
 
 # the torch bit-packing implementation (absolute import: this file is also loaded standalone by tests)
-from hvd_ext.compression import bitpack as _bitpack
+from hvd_ext.ops import bits as _bitpack
 from hvd_ext.ops.device import compact, expect, in_range, on_host, read, upload
 
 __all__ = [
@@ -240,8 +240,8 @@ def kernel_dir() -> Path:
     """Directory holding the ``.cu`` sources (see the module docstring for the search order)."""
     env = os.environ.get("HVD_EXT_KERNEL_DIR")
     cands = [Path(env)] if env else []
-    here = Path(__file__).resolve().parent
-    cands += [here / "_cu", here.parent / "kernels"]
+    package = Path(__file__).resolve().parent.parent  # hvd_ext/
+    cands += [package / "_cu", package.parent / "kernels"]
     for c in cands:
         if (c / "common.cuh").is_file() and all((c / f).is_file() for f in KERNEL_FILES):
             return c
@@ -417,14 +417,14 @@ def packed_nbytes(n: int, bits: int) -> int:
 
 
 def pack_bits_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Torch path of :func:`pack_bits`: ``hvd_ext.compression.bitpack.pack_bits`` (the one torch
+    """Torch path of :func:`pack_bits`: ``hvd_ext.ops.bits.pack_bits`` (the one torch
     implementation of the BIT ORDER CONTRACT), without the range check; only the low ``bits``
     bits of each integer code are used, as in the kernel."""
     return _bitpack.pack_bits(codes, _check_bits(bits), check=False)
 
 
 def unpack_bits_reference(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Torch path of :func:`unpack_bits`: ``hvd_ext.compression.bitpack.unpack_bits``."""
+    """Torch path of :func:`unpack_bits`: ``hvd_ext.ops.bits.unpack_bits``."""
     return _bitpack.unpack_bits(data, _check_bits(bits), int(n))
 
 

@@ -1,8 +1,8 @@
 """Dense b-bit packing of integer codes into bytes: THE torch reference implementation.
 
 This module is the single torch implementation of the bit-packing contract;
-``hvd_ext.kernels.pack_bits_reference`` / ``unpack_bits_reference`` delegate
-here, and ``hvd_ext.kernels.pack_bits`` / ``unpack_bits`` (which compressors
+``hvd_ext.ops.cuda_kernels.pack_bits_reference`` / ``unpack_bits_reference`` delegate
+here, and ``hvd_ext.ops.cuda_kernels.pack_bits`` / ``unpack_bits`` (which compressors
 call) run the CUDA kernel for CUDA ``uint8`` tensors and this code otherwise.
 
 ``pack_bits(codes, bits)`` turns ``n`` codes (``uint8``, each ``< 2**bits``,

@@ -23,7 +23,7 @@ Three tools keep the CPU codecs near memory bandwidth:
 * **Counter-based random numbers** for stochastic rounding
   (:func:`uniform`): element i of a stream gets ``hash(key ^ i)``, the 32-bit
   integer finaliser "lowbias32" (C. Wellons, "Prospecting for hash functions",
-  2018) -- the same hash as ``hvd_ext.kernels.hash_u32`` and the CUDA kernels --
+  2018) -- the same hash as ``hvd_ext.ops.cuda_kernels.hash_u32`` and the CUDA kernels --
   with the top 24 bits as ``u = h / 2^24`` in [0, 1). Stateless: a rank's
   rounding is a function of (seed, tensor name, rank, step, i), so checkpoints
   resume exactly and compiled and eager paths agree bit for bit. No generator
@@ -47,7 +47,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .. import kernels as _K
+from ..ops import cuda_kernels as _K
 
 __all__ = ["Kernel", "compile_enabled", "uniform", "hash32", "stream_key_tensor", "codes_buffer",
            "pack_buffer", "unpack_to_buffer", "squeeze_words", "expand_words", "scratch", "empty"]

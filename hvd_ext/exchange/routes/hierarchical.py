@@ -43,28 +43,28 @@ pieces, the inner route's headers), so every rank skips the same steps.
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import List
 
 import torch
 
-from ..compression.base import TensorInfo
-from ..ops.device import nonfinite as nonfinite_flag
-from .routes import Route, TensorRecord, flat_record, make_route, split_flat
-from .transport import offsets, split_sizes
+from ...compression.base import TensorInfo
+from ...ops.device import nonfinite as nonfinite_flag
+from ..transport import offsets, split_sizes
+from .base import NODE_PREFIX, Route, TensorRecord, flat_record, make_route, register, split_flat
 from .twophase import segments
 
-PREFIX = "node:"
-
-
+@register
 class NodeAwareRoute(Route):
     """Dense reduce-scatter in the node -> ``inner`` route across nodes on 1/L of the bucket ->
-    dense allgather in the node. ``name`` is ``"node:<inner>"``."""
+    dense allgather in the node. Registered as ``"node"``; an instance's ``name`` is ``"node:<inner>"``."""
+
+    name = "node"
 
     def __init__(self, comp, exchange, tag, memory=None, inner: str = "allgather"):
         super().__init__(comp, exchange, tag, memory)
         self.local_ex, self.cross_ex = exchange.node_exchanges()
         self.inner_kind = inner
-        self.name = PREFIX + inner
+        self.name = NODE_PREFIX + inner
         self.inner = make_route(inner, comp, self.cross_ex, f"{tag}.x", memory)
         self._use_mem = (memory is not None and getattr(comp.feedback, "name", "none") != "none")
         self._rs = None
@@ -168,11 +168,3 @@ class NodeAwareRoute(Route):
         """Everything: the intra-node phases are dense (the node memory keeps what the node-level
         compression left out)."""
         return self.records[i].u
-
-
-def is_node_aware(kind: str) -> bool:
-    return kind.startswith(PREFIX)
-
-
-def inner_of(kind: str) -> Optional[str]:
-    return kind[len(PREFIX):] if is_node_aware(kind) else None

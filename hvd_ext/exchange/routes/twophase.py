@@ -28,9 +28,9 @@ from typing import List, Tuple
 
 import torch
 
-from ..compression.base import TensorInfo
-from .routes import Route, TensorRecord, known_sizes
-from .transport import offsets, split_sizes
+from ...compression.base import TensorInfo
+from ..transport import offsets, split_sizes
+from .base import Route, TensorRecord, known_sizes, register
 
 
 def segments(sizes: List[int], parts: int) -> List[List[Tuple[int, int, int]]]:
@@ -50,6 +50,7 @@ def segments(sizes: List[int], parts: int) -> List[List[Tuple[int, int, int]]]:
     return out
 
 
+@register
 class TwoPhaseRoute(Route):
     name = "twophase"
 

@@ -36,11 +36,11 @@ from typing import Tuple
 
 import torch
 
-from ..compression._sparse import FP16_MAX, topk_indices
-from ..compression.base import from_bytes
-from ..ops.device import compact, in_range, read, upload
-from .routes import Route
-from .transport import offsets, split_sizes
+from ...compression.base import from_bytes
+from ...ops.device import compact, in_range, read, upload
+from ...ops.select import FP16_MAX, topk_indices
+from ..transport import offsets, split_sizes
+from .base import Route, register
 
 REBALANCE_EVERY = 16
 IMBALANCE = 1.5
@@ -98,6 +98,7 @@ def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, i.reshape(-1)).reshape(i.shape)
 
 
+@register
 class SparseReduceScatterRoute(Route):
     name = "sparse_rs"
     reads_on_start = True  # how many pairs go to each owner depends on where the entries fall

@@ -1,0 +1,136 @@
+"""Which route a bucket takes: from the codec's family, the spec's ``exchange=`` and ``hierarchy=``
+keys and the cost model (:mod:`hvd_ext.exchange.cost`).
+
+It depends on nothing rank-local (Horovod's local/cross sizes are the same on every rank of a
+homogeneous job), so every rank builds the same routes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+from typing import Any, Dict, Optional
+
+from ...compression.base import HIERARCHY_CHOICES, ROUTE_CHOICES, Compressor
+from .. import cost
+from ..core import Exchange
+from ..probe import node_links_setting
+from ..transport import NodeGroupsUnavailable
+from .base import NODE_PREFIX
+
+# Linear codecs whose payload can be cut into shards elementwise (PowerSGD's factors cannot).
+SHARDABLE_LINEAR = ("none", "fp16", "bf16")
+# Feedbacks whose memory the node-aware exchange reproduces at node level (residual error feedback);
+# momentum masking (dgc_momentum) and prediction sharing (ewma) need each rank's own sent mask.
+NODE_FEEDBACKS = ("none", "residual")
+_warned = set()
+
+
+def estimated_payload_bytes(comp: Compressor, numel: int) -> float:
+    """Bytes of one rank's payload for ``numel`` elements: exact when the codec says, else from its ratio."""
+    wb = comp.wire_bytes(numel)
+    if wb is not None:
+        return float(wb)
+    if comp.sparse:
+        ratio = float(getattr(comp, "ratio", 0.01))
+        vb = 2 if getattr(comp, "values", "fp32") == "fp16" else 4
+        return math.ceil(ratio * numel) * (vb + 2)
+    bits = float(getattr(comp, "bits", 0) or getattr(comp, "budget", 0) or 8)
+    return numel * bits / 8.0
+
+
+def node_aware_reason(comp: Compressor, exchange: Optional[Exchange]) -> Optional[str]:
+    """None when the node-aware exchange can carry this compressor over ``exchange``'s nodes;
+    else why not (the same on every rank)."""
+    if getattr(comp, "hierarchy", "auto") == "flat":
+        return "hierarchy=flat"
+    if os.environ.get("HOROVOD_ELASTIC", "0").strip() not in ("", "0"):
+        return "elastic job: the node layout can change, and no collective may run at construction"
+    topo = exchange.topology() if exchange is not None else None
+    if topo is None or not topo.multi_node:
+        return "one node, one rank per node, or nodes of different sizes"
+    if comp.exchange == "allreduce" and comp.name not in SHARDABLE_LINEAR:
+        return f"'{comp.name}' payloads cannot be cut into shards"
+    fb = getattr(getattr(comp, "feedback", None), "name", "none")
+    if fb not in NODE_FEEDBACKS:
+        return f"feedback '{fb}' needs every rank's own sent mask"
+    return None
+
+
+def choose_route(comp: Compressor, mode: str, numel: int, size: int,
+                 link: Optional[cost.LinkModel] = None, exchange: Optional[Exchange] = None,
+                 model: Optional[cost.NodeModel] = None, codec: Optional[float] = None, device=None) -> str:
+    """Route name for a bucket of ``numel`` elements (same inputs -> same answer on every rank).
+
+    With ``exchange`` (the pipeline's), a multi-node job and ``hierarchy=auto`` (the default), the
+    node-aware route ``"node:<inner>"`` is returned when the cost model (:func:`cost.choose_hierarchy`)
+    predicts it is faster, with ``model`` or else the links the exchange measured
+    (:meth:`Exchange.node_model`; ``codec``: this codec's measured elements per second). When
+    Horovod cannot make the node process sets, one warning says what to pass to ``hvd.init`` and
+    the flat route is used."""
+    opts = route_options(comp, mode, numel, size, link, exchange, model, codec, device)
+    return opts["node"] if opts["node"] is not None and opts["node_s"] < opts["flat_s"] else opts["flat"]
+
+
+def route_options(comp: Compressor, mode: str, numel: int, size: int,
+                  link: Optional[cost.LinkModel] = None, exchange: Optional[Exchange] = None,
+                  model: Optional[cost.NodeModel] = None, codec: Optional[float] = None,
+                  device=None) -> Dict[str, Any]:
+    """The flat route and, where the node-aware exchange can run, the node-aware one, with the
+    seconds the cost model predicts for each: ``{"flat", "flat_s", "node", "node_s"}`` (``node`` is
+    None, and the times are None, when only the flat route is possible). Same on every rank."""
+    flat = _choose_flat(comp, mode, numel, size, link)
+    only_flat = {"flat": flat, "flat_s": None, "node": None, "node_s": None}
+    hier = getattr(comp, "hierarchy", "auto")
+    if hier not in HIERARCHY_CHOICES:
+        raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY_CHOICES)}, got {hier!r}")
+    if exchange is None or node_aware_reason(comp, exchange) is not None:
+        return only_flat
+    node_links_setting()  # a bad HVD_EXT_NODE_LINKS fails here, before the node groups' first collective
+    try:
+        exchange.node_exchanges()
+    except NodeGroupsUnavailable as e:
+        key = str(e)
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(f"hvd_ext: node-aware compression is off, the exchange is flat: {e}", stacklevel=4)
+        return only_flat
+    if model is None:
+        model = exchange.node_model(device)
+    if codec is not None:
+        model = cost.NodeModel(intra=model.intra, inter=dataclasses.replace(model.inter, codec=codec))
+    topo = exchange.topology()
+    M, L = topo.cross_size, topo.local_size
+    if comp.exchange == "allreduce":
+        cands = ("allreduce",)
+    elif mode == "allgather":
+        cands = ("allgather",)
+    elif mode == "twophase":
+        cands = ("twophase",)
+    else:
+        cands = ("allgather", "twophase")
+    payload = estimated_payload_bytes(comp, numel) if comp.exchange != "allreduce" else \
+        numel * (2.0 if comp.name in ("fp16", "bf16") else 4.0)
+    pick = cost.choose_hierarchy(cands, cands, numel, payload, M, L, model)
+    inner = pick["inner"]
+    if inner == "twophase":
+        inner = "sparse_rs" if comp.sparse else "twophase"
+    return {"flat": flat, "flat_s": float(pick["flat_s"]), "node": NODE_PREFIX + inner, "node_s": float(pick["node_s"])}
+
+
+def _choose_flat(comp: Compressor, mode: str, numel: int, size: int, link: Optional[cost.LinkModel]) -> str:
+    if mode not in ROUTE_CHOICES:
+        raise ValueError(f"exchange must be one of {', '.join(ROUTE_CHOICES)}, got {mode!r}")
+    if comp.exchange == "allreduce":
+        if mode != "auto":
+            raise ValueError(f"compressor '{comp.name}' rides on allreduce; exchange={mode!r} is not accepted "
+                             "(accepted: auto)")
+        return "allreduce"
+    scalable = "sparse_rs" if comp.sparse else "twophase"
+    if mode == "allgather" or size < 2:
+        return "allgather"
+    if mode == "twophase":
+        return scalable
+    best = cost.choose_exchange(("allgather", "twophase"), numel, estimated_payload_bytes(comp, numel), size, link)
+    return scalable if best == "twophase" else "allgather"
