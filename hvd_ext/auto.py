@@ -1,89 +1,56 @@
-"""``compression="auto"``: per bucket, the candidate codec with the least predicted step time.
+"""``compression="auto"``: per bucket, the most accurate candidate codec whose predicted step time is
+within ``slack`` of the fastest's.
 
-Compression pays only when the link is slow relative to the codec (Agarwal et
-al., "On the utility of gradient compression in distributed training
-systems", MLSys 2022). ``auto`` therefore measures both on the machine it runs
-on and decides per bucket:
+Compression pays only when the link is slow relative to the codec (Agarwal et al., "On the utility
+of gradient compression in distributed training systems", MLSys 2022), so ``auto`` measures both
+where it runs. One decision (:meth:`AutoTuner.evaluate`) is measure -> predict -> choose -> agree:
 
-* **link** -- from its own exchanges: a small and a 1 MB allreduce (five and
-  three tries, the fastest kept; one 1 MB try when it takes 10x the small one,
-  as on a slow link, where the transfer dominates and a try costs a step) give
-  the fixed cost of one collective ``lat`` and the bandwidth ``bw`` (wire bytes
-  per second, :mod:`hvd_ext.exchange.cost`);
-* **codecs** -- every candidate compresses and decodes each bucket's current
-  gradient, timed on this hardware (the fastest of three tries; a calibrate
-  re-decision reuses them);
-* **prediction** for bucket b and candidate c on its route r (allreduce,
-  allgather, two-phase, sparse reduce-scatter: the route the candidate would
-  get, :func:`hvd_ext.exchange.routes.choose_route`)::
+* **measure** -- the link from its own exchanges (a small and a 1 MB allreduce give the fixed cost
+  ``lat`` and the bandwidth ``bw``, :mod:`hvd_ext.exchange.cost`); every candidate's encode and
+  decode time on each bucket's current gradient; compute as the median step period minus the
+  median exchange time. The ranks' mean of all of it, in one allreduce.
+* **predict** -- for bucket b and candidate c on the route r it would take
+  (:func:`hvd_ext.exchange.routes.choose_route`)::
 
       t(b, c) = collectives(r) x lat + wire_bytes(r, payload(c, b), N) / bw + code_time(c, b, r)
 
-* **accuracy guard** (``accuracy=strict``, the default) -- before any timing counts, a lossy
-  candidate is *eligible* on a bucket only if its error ratio with error feedback, measured on that
-  bucket's own gradients during the warm-up, is within ``bound``
-  (:mod:`hvd_ext.accuracy_guard`); ineligible candidates are neither predicted, tried nor chosen.
-  The verdict depends on the gradients alone, so the same job picks from the same set on a quiet
-  and on a busy machine. ``accuracy=relaxed`` (warned) chooses by speed alone. Under an adaptive
-  optimizer (Adam family, RMSprop, Adagrad) the second moment stays live, and candidates with an
-  error-feedback memory are not eligible: a live second moment squares their delayed bursts
-  (:mod:`hvd_ext.variance_freeze`); ``variance=freeze`` in the spec allows them;
-* **choice** -- candidates are listed from the most to the least accurate;
-  the bucket takes the first whose ``t(b, c)`` is within ``slack`` (5%) of
-  the predicted step time (compute, measured as the step period minus the
-  exchange time, plus the fastest exchanges; the bucket's share by size) of
-  the fastest candidate: the most accurate codec that costs at most 5% in
-  step time. The objective is the shortest step among the candidates (every
-  one of them error-feedback safe); the slack only breaks near ties toward
-  accuracy. (It was 10%: unshaped, ``none`` measured within 10% of fp16 in
-  its trials and was kept, and its whole jobs ran 1.1-1.25x fp16's.)
+  scaled by what chosen codecs measured against their prediction (``AutoTuner.calibration``).
+* **choose** -- candidates are listed most accurate first; a bucket takes the first whose time is
+  within ``slack`` of the fastest's share of the predicted step. A change needs ``margin`` over the
+  current choice (hysteresis against measurement noise).
+* **agree** -- rank 0's choice is broadcast, so every rank uses the same codec for every bucket.
+  When the model cannot separate candidates (predicted within ``_CONTEND`` x of the fastest), each
+  contender runs ``trial`` exchanges in two interleaved rounds and the measured step periods decide
+  (successive halving cuts the slow ones early: Jamieson and Talwalkar 2016).
 
-* **trial** -- the model errs by 2-3x on a busy machine (it put top-k ahead
-  of fp16 at 1 Gbit/s where fp16's steps were 25% shorter), so candidates
-  predicted within 3x of the fastest are not chosen from the prediction: each
-  such contender runs ``trial`` (20) exchanges, in two interleaved rounds of
-  10 (the predicted fastest first, then the reverse order), and the most
-  accurate whose median step period (the ranks' mean) is within ``slack`` of
-  the shortest is kept. A contender whose period after a quarter of its
-  exchanges is over 1.3x that bound stops there. ``trial=0`` trusts the model.
+**Accuracy guard** (``accuracy=strict``, the default): a lossy candidate is eligible on a bucket
+only if its error ratio with error feedback, measured on that bucket's own warm-up gradients, is
+within ``bound`` (:mod:`hvd_ext.accuracy_guard`). The verdict depends on the gradients alone, not on
+timing. Under an adaptive optimizer with a live second moment, candidates with an error-feedback
+memory are not eligible (:mod:`hvd_ext.variance_freeze`); ``variance=freeze`` allows them.
+``accuracy=relaxed`` chooses by speed alone (warned).
 
-The measurements are averaged over the ranks in one small allreduce and rank
-0's decision is broadcast, so every rank uses the same codec for every bucket.
-Until the first decision (``warmup`` exchanges) every bucket is sent dense.
-The decision is re-taken every ``every`` exchanges, ``check`` exchanges after a
-codec is chosen that has not run before (to calibrate the model with its
-measured cost, ``AutoTuner.calibration``), and earlier when the measured
-exchange time leaves [0.5x, 2x] of the prediction (checked every ``check``
-exchanges, agreed by an allreduce of the ranks' measurements).
+**Memory:** candidates whose own feedback is residual (top-k, the sign codecs) share one residual
+error feedback (Seide et al. 2014; Karimireddy et al. 2019); lossless and unbiased ones (none, fp16,
+qsgd) run without one, as they do fixed. When a bucket's codec changes, what the old codec had not
+sent is released evenly over the next ``release`` exchanges: nothing is lost, and no single step
+takes it all at once.
 
-Accuracy budget: only error-feedback-safe candidates. The candidates whose own
-feedback is residual (top-k, the sign codecs) share one residual error feedback
-(Seide et al. 2014; Karimireddy et al. 2019); lossless and unbiased ones (none,
-fp16, qsgd) run without one, as they run fixed. When a bucket's codec changes, what the old codec had not sent
-is carried over, spread evenly over the next ``release`` exchanges (sending
-it at once -- e.g. 50 steps of top-1% residual in one dense step -- jolts
-training: measured -3.8 points on the main job); nothing is lost. So that
-measurement noise does not flip codecs back and forth, a less accurate
-choice must beat the current one by ``margin`` (15%) in the prediction, and a
-more accurate one must lie ``margin`` inside the slack. The default candidates
-are ``none, fp16, qsgd:bits=8, topk:ratio=0.03``: nothing coarser than 8 bits
-or 3% unless the user lists it (``candidates=...,topk:ratio=0.01``). On the main
-job (8 epochs) top-1% costs 1.5-2 points that top-3% does not (four seeds:
-top-1% 94.3/83.5/95.4/94.3%, top-3% 96.0/96.0/96.0/96.7%, qsgd 8-bit
-96.5/97.0/96.5/95.2%), top-3% reaches 93% sooner at 100 and 300 Mbit/s, and
-its step is within 1.06-1.10x of top-1%'s. With both listed, auto moved from
-3% to 1% once 3% had run (its measured cost put 1% outside the slack) and
-ended 4 points below ``none``.
+Until the first decision (``warmup`` exchanges) every bucket is sent dense. A decision is re-taken
+every ``every`` exchanges, ``check`` exchanges after a codec that has not run before is chosen (to
+calibrate the model with its measured cost), and when the measured exchange time leaves [0.5x, 2x]
+of the prediction. The default candidates stop at 8 bits and 3%: coarser codecs only when listed.
+Measurements behind these defaults: ``docs/auto.md`` and ``benchmarks/auto_trust.py``.
 
-Spec: ``auto`` or ``auto:every=1000,warmup=5,accuracy=strict,bound=0.5,candidates=none,fp16,topk:ratio=0.01``
-(``candidates=`` comes last; a comma-separated item with a ``:`` or without
-``=`` starts a new candidate, other ``key=value`` items belong to the
-candidate before them).
+Spec: ``auto:every=1000,warmup=5,accuracy=strict,bound=0.5,candidates=none,fp16,topk:ratio=0.01``
+(``candidates=`` comes last; an item with a ``:`` or without ``=`` starts a new candidate, other
+``key=value`` items belong to the candidate before it; parsed by :mod:`hvd_ext.spec`).
 """
 from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -214,6 +181,60 @@ class AutoCompression(Compressor):
         return "auto" + (":" + ",".join(items) if items else "")
 
 
+@dataclass
+class Measurement:
+    """The ranks' mean of one decision's measurements."""
+
+    lat: float                       # seconds of one collective's fixed cost
+    bw: float                        # wire bytes per second
+    compute: float                   # median step period minus median exchange time
+    ran: float                       # median exchange time of the codecs chosen until now
+    codec: List[List[Tuple[float, float, float]]]  # [bucket][candidate] = (encode s, decode s, bytes)
+
+
+@dataclass
+class Forecast:
+    """One bucket's predicted exchange time per candidate, on the route each would take."""
+
+    numel: int
+    times: List[float]
+    routes: List[str]
+    fastest: int = 0                 # the fastest eligible candidate
+
+
+@dataclass
+class Contender:
+    """One configuration a trial measures: a candidate per bucket, their routes, the prediction."""
+
+    label: str
+    choice: List[int]
+    routes: List[str]
+    predicted: float
+
+
+@dataclass
+class Trial:
+    """Contenders measured in turns: ``_ROUNDS`` rounds of ``window`` exchanges each (ABC CBA)."""
+
+    contenders: List[Contender]
+    order: List[int]                 # by prediction, fastest first
+    start: int                       # step the current window began
+    window: int
+    round: int = 0
+    i: int = 0                       # position in the current round's order
+    periods: Dict[int, List[float]] = field(default_factory=dict)
+    exchange: Dict[int, List[float]] = field(default_factory=dict)
+    first: Dict[int, float] = field(default_factory=dict)  # first-round median period (ranks' mean)
+    cut: List[int] = field(default_factory=list)           # contenders stopped early
+
+    def round_order(self) -> List[int]:
+        """This round's contenders in running order: the first round by prediction, later rounds
+        reversed and without those cut early."""
+        if self.round == 0:
+            return self.order
+        return list(reversed([ci for ci in self.order if ci not in self.cut]))
+
+
 class AutoTuner:
     """Per-pipeline decisions of :class:`AutoCompression` (see the module docstring)."""
 
@@ -235,7 +256,7 @@ class AutoTuner:
         self.calib: Dict[int, float] = {}  # candidate -> measured / predicted exchange time, when it ran
         self._probe: Optional[Dict[str, float]] = None  # this rank's last link probe
         self._codec_rows: Optional[tuple] = None  # (bucket sizes, this rank's last codec timings)
-        self._trial: Optional[Dict[str, Any]] = None  # contenders being measured (see _contenders)
+        self._trial: Optional[Trial] = None  # contenders being measured (see _contenders)
         self._strikes = 0  # drift checks in a row outside [0.5x, 2x] of the prediction
         # accuracy=strict: which lossy candidates each bucket may use, from its warm-up gradients
         self.guard: Optional[AccuracyGuard] = None
@@ -255,9 +276,6 @@ class AutoTuner:
                 return i
         return 0
 
-    def compressor_for(self, bucket_index: int) -> Compressor:
-        return self.auto.candidates[self.choice[bucket_index]]
-
     # ---- called by the pipeline --------------------------------------------------------
     def exchange_time(self, seconds: float) -> None:
         """This rank's time spent in the exchange of the step that just finished (and the step period)."""
@@ -274,10 +292,10 @@ class AutoTuner:
         if step < max(a.warmup, getattr(self.pipe, "dense_steps", 0)):  # dense warm-up (variance_freeze)
             return
         if self._trial is not None:
-            t, ran = self._trial, step - self._trial["start"]
-            if ran >= _SETTLE + t["window"]:
+            t, ran = self._trial, step - self._trial.start
+            if ran >= _SETTLE + t.window:
                 self._trial_window_done()
-            elif ran == _SETTLE + max(3, a.trial // 4) and t["round"] == 0 and t["first"]:
+            elif ran == _SETTLE + max(3, a.trial // 4) and t.round == 0 and t.first:
                 self._trial_window_done(early=True)
             return
         if self.last_eval is None or step - self.last_eval >= a.every:
@@ -341,7 +359,7 @@ class AutoTuner:
         t_large = best_time(lambda: self._allreduce(large, "hvd_ext.auto.probe.large"), 1)
         # More large tries only where one is cheap and noisy: the ranks' mean times (one small
         # allreduce, so every rank runs the same collectives) say whether the transfer dominates.
-        # On a slow link a try is all bandwidth, and each costs a step or more (3 x 53 ms at 300 Mbit/s).
+        # On a slow link a try is all bandwidth, and each costs a step or more.
         agreed = self._allreduce(torch.tensor([t_small, t_large]), "hvd_ext.auto.probe.agree")
         if float(agreed[1]) < _PROBE_ENOUGH * float(agreed[0]):
             t_large = min(t_large, best_time(lambda: self._allreduce(large, "hvd_ext.auto.probe.large"), 2))
@@ -382,7 +400,6 @@ class AutoTuner:
         timer = Timer(us[0].device if us else "cpu")  # CUDA events on a GPU: the work, not its launches
         timer.mark()
         # as the pipeline codes it: a bucket_flat codec (topk scope=model, sig) one payload per bucket
-        # (per tensor, top-1% coding of the main job's 12 tensors takes 1.27 ms, flat 0.60 ms)
         flat = flat_record(c, "allgather", [TensorRecord(i.name, None, i, u) for u, i in zip(us, infos)],
                            f"\x00trial{b.index}")
         if flat is not None:
@@ -425,12 +442,21 @@ class AutoTuner:
         return _COLLECTIVES.get(kind, 2) * lat + wire / bw + code
 
     def evaluate(self, reason: str) -> None:
+        """One decision: measure (link, codecs, compute: the ranks' mean) -> predict every candidate on
+        every bucket -> choose (the most accurate within the slack, with hysteresis) -> agree (rank 0's
+        choice for all; a trial when the model cannot separate the contenders)."""
+        m = self._measure(reason)
+        forecasts, table = self._predict(m)
+        choice, routes, predicted = self._choose(forecasts, m.compute)
+        self._agree(reason, m, forecasts, table, choice, routes, predicted)
 
+    def _measure(self, reason: str) -> Measurement:
+        """The link probe, every candidate's codec timings on every bucket, compute and exchange
+        medians: this rank's, averaged over the ranks in one allreduce (the guard's verdict rides on it)."""
         pipe, cands = self.pipe, self.auto.candidates
         # A "calibrate" re-decision only learns the chosen codec's real cost: the link and the codec
-        # timings measured at the decision before it still hold (every rank takes the same branch:
-        # same reason, same step). The probe's large allreduce costs ~60 ms at 300 Mbit/s; the
-        # timings, 3 tries of every candidate on every bucket, ~30 ms on the main job's 122k floats.
+        # timings measured at the decision before still hold (every rank takes the same branch:
+        # same reason, same step).
         layout = [sum(p.numel() for p in b.params) for b in pipe.buckets]
         if reason != "calibrate" or self._probe is None:
             self._probe = self._probe_link()
@@ -447,81 +473,92 @@ class AutoTuner:
             self._codec_rows = (layout, rows)
         periods, meas = self._periods[-50:], self._measured[-50:]
         # Medians: a pause between two steps (evaluation, a checkpoint, other work in the loop) must not
-        # read as compute -- with the mean, one such period made every exchange look cheap next to the
-        # step and the slack picked the densest candidate ('none' at 300 Mbit/s on the main job).
+        # read as compute, or every exchange would look cheap next to the step.
         compute = (_median(periods) - _median(meas)) if periods and meas else 0.0
         ran = _median(meas) if meas else 0.0  # median exchange time of the codecs chosen until now
-        guard = self.guard is not None and self.guard.ratio is None  # its verdict rides on this allreduce
+        guard = self.guard is not None and self.guard.ratio is None
         qs = self.guard.local_ratios(len(pipe.buckets)) if guard else []
         local = torch.tensor([probe["lat"], probe["large"], max(compute, 0.0), ran] + rows + qs, dtype=torch.float64)
-        mean = self._allreduce(local.float(), f"hvd_ext.auto.measure.{pipe.step}").double()
-        lat, large, compute, ran = float(mean[0]), float(mean[1]), float(mean[2]), float(mean[3])
+        mean = self._allreduce(local.float(), f"hvd_ext.auto.measure.{pipe.step}").double().tolist()
         if guard:
-            self.guard.decide(mean[len(mean) - len(qs):].tolist(), len(pipe.buckets))
+            self.guard.decide(mean[len(mean) - len(qs):], len(pipe.buckets))
+        lat, large = mean[0], mean[1]
         self.link = {"lat": lat, "bw": probe["wire"] / max(large - lat, 1e-6)}
-        choice, predicted, table, all_times = [], 0.0, [], []
-        total = sum(p.numel() for b in pipe.buckets for p in b.params) or 1
-        k = 4
-        for b in pipe.buckets:
+        n = len(cands)
+        codec = [[tuple(mean[4 + 3 * (bi * n + ci): 7 + 3 * (bi * n + ci)]) for ci in range(n)]
+                 for bi in range(len(pipe.buckets))]
+        return Measurement(lat=lat, bw=self.link["bw"], compute=mean[2], ran=mean[3], codec=codec)
+
+    def _predict(self, m: Measurement) -> Tuple[List[Forecast], List[Dict[str, float]]]:
+        """Every candidate's predicted exchange time on every bucket, on the route the cost model would
+        give it, calibrated by what chosen codecs measured; ineligible ones infinitely slow."""
+        pipe, cands = self.pipe, self.auto.candidates
+        forecasts, table = [], []
+        for b, row in zip(pipe.buckets, m.codec):
             numel = sum(p.numel() for p in b.params)
-            per, times, kinds = {}, [], []
-            for ci, c in enumerate(cands):
-                enc, dec, nbytes = float(mean[k]), float(mean[k + 1]), float(mean[k + 2])
-                k += 3
-                # The route by the cost model with this job's measured link and codec speed (across
-                # nodes: the node links the exchange measured once, Exchange.node_model).
-                link = cost.LinkModel(alpha=lat, bandwidth=self.link["bw"], codec=numel / max(enc + dec, 1e-9))
+            times, kinds, per = [], [], {}
+            for ci, (c, (enc, dec, nbytes)) in enumerate(zip(cands, row)):
+                # the route by the cost model with this job's measured link and codec speed (across
+                # nodes: the node links the exchange measured once, Exchange.node_model)
+                link = cost.LinkModel(alpha=m.lat, bandwidth=m.bw, codec=numel / max(enc + dec, 1e-9))
                 kind = choose_route(c, getattr(c, "route", "auto"), numel, pipe.size, link=link,
                                     exchange=pipe.exchange, codec=link.codec, device=b.params[0].device)
                 kinds.append(kind)
-                t = self.predict(kind, numel, nbytes, enc, dec)
-                times.append(t)
-                per[self.auto.candidate_specs[ci]] = round(t * 1e3, 4)
-            all_times.append((times, numel, kinds))
+                times.append(self.predict(kind, numel, nbytes, enc, dec))
+                per[self.auto.candidate_specs[ci]] = round(times[-1] * 1e3, 4)
+            forecasts.append(Forecast(numel=numel, times=times, routes=kinds))
             table.append(per)
-        self._calibrate(ran, [times[self.choice[b.index]] for b, (times, _, _) in zip(pipe.buckets, all_times)])
+        self._calibrate(m.ran, [f.times[self.choice[b.index]] for b, f in zip(pipe.buckets, forecasts)])
         factor = self.calibration()
-        for i, (times, numel, kinds) in enumerate(all_times):
-            # an ineligible candidate (the accuracy guard) is never chosen: infinitely slow
-            times = [t * f if self.eligible(i, ci) else float("inf") for ci, (t, f) in enumerate(zip(times, factor))]
+        for i, f in enumerate(forecasts):
+            f.times = [t * k if self.eligible(i, ci) else float("inf")
+                       for ci, (t, k) in enumerate(zip(f.times, factor))]
             best = self.dense_index(self.auto)  # the fastest (the first of near ties)
-            for ci, t in enumerate(times):
-                if t < times[best] * (1 - 1e-3):
+            for ci, t in enumerate(f.times):
+                if t < f.times[best] * (1 - 1e-3):
                     best = ci
-            all_times[i] = (best, times, numel, kinds)
-        step_time = compute + sum(times[best] for best, times, _, _ in all_times)
-        routes = []
-        for b, (best, times, numel, kinds) in zip(pipe.buckets, all_times):
-            # the most accurate candidate within the slack (candidates are listed most accurate first)
-            allowance = self.auto.slack * step_time * numel / total
-            fastest = best
+            f.fastest = best
+        return forecasts, table
+
+    def _choose(self, forecasts: List[Forecast], compute: float) -> Tuple[List[int], List[str], float]:
+        """Per bucket the most accurate candidate within ``slack`` of the predicted step (candidates are
+        listed most accurate first), kept from flipping by ``margin``; with the routes and the total."""
+        total = sum(f.numel for f in forecasts) or 1
+        step_time = compute + sum(f.times[f.fastest] for f in forecasts)
+        choice, routes, predicted = [], [], 0.0
+        for b, f in zip(self.pipe.buckets, forecasts):
+            times, fastest = f.times, f.fastest
+            allowance = self.auto.slack * step_time * f.numel / total
             best = next(ci for ci, t in enumerate(times) if t <= times[fastest] + allowance)
             cur = self.choice[b.index]
             if self.last_eval is not None and best != cur and times[cur] < float("inf"):
-                # Hysteresis, so that measurement noise does not flip codecs back and forth: a less
-                # accurate codec must be `margin` faster than the current one; a more accurate one must
-                # lie `margin` inside the slack. (Only the first rule, before: it kept top-k at 1 Gbit/s
-                # although fp16 was inside the slack -- and 15% faster once measured.)
+                # hysteresis: a less accurate codec must be `margin` faster than the current one; a more
+                # accurate one must lie `margin` inside the slack
                 if best > cur and times[best] > (1 - self.auto.margin) * times[cur]:
                     best = cur
                 elif best < cur and times[best] > times[fastest] + (1 - self.auto.margin) * allowance:
                     best = cur
             choice.append(best)
-            routes.append(kinds[best])
+            routes.append(f.routes[best])
             predicted += times[best]
-        configs = self._contenders(all_times, choice) if self.auto.trial > 0 else []
-        # Rank 0's decision for everyone (identical inputs already; this makes it certain).
-        agreed, routes, configs = pipe.exchange.broadcast_object([choice, routes, configs], 0,
-                                                                 f"hvd_ext.auto.choice.{pipe.step}")
-        if len(configs) > 1:  # the model cannot separate them: measure each (see _contenders)
+        return choice, routes, predicted
+
+    def _agree(self, reason: str, m: Measurement, forecasts: List[Forecast], table: List[Dict[str, float]],
+               choice: List[int], routes: List[str], predicted: float) -> None:
+        """Rank 0's decision for everyone (identical inputs already; this makes it certain), applied,
+        or a trial of the contenders when the model cannot separate them (:meth:`_contenders`)."""
+        pipe = self.pipe
+        contenders = self._contenders(forecasts, choice) if self.auto.trial > 0 else []
+        agreed, routes, contenders = pipe.exchange.broadcast_object([choice, routes, contenders], 0,
+                                                                    f"hvd_ext.auto.choice.{pipe.step}")
+        if len(contenders) > 1:
             # the predicted fastest first, so that the others can be cut early against it
-            order = sorted(range(len(configs)), key=lambda i: configs[i]["predicted"])
-            first = configs[order[0]]
-            agreed, routes, predicted = first["choice"], first["routes"], first["predicted"]
-            reason += f"; trying {len(configs)} contenders"
-            self._trial = {"configs": configs, "order": order, "round": 0, "i": 0, "start": pipe.step,
-                           "window": max(1, self.auto.trial // _ROUNDS), "periods": {}, "exchange": {},
-                           "first": {}, "cut": []}
+            order = sorted(range(len(contenders)), key=lambda i: contenders[i].predicted)
+            first = contenders[order[0]]
+            agreed, routes, predicted = first.choice, first.routes, first.predicted
+            reason += f"; trying {len(contenders)} contenders"
+            self._trial = Trial(contenders=contenders, order=order, start=pipe.step,
+                                window=max(1, self.auto.trial // _ROUNDS))
         changed = self._apply(agreed, routes)
         # A re-decision that changes nothing (measurement noise, ranks out of step): check less often.
         self._check_every = self.auto.check if changed or reason.split(";")[0] in ("warmup", "scheduled") \
@@ -534,8 +571,8 @@ class AutoTuner:
                                "choice": [self.auto.candidate_specs[ci] for ci in agreed],
                                "predicted_ms": round(predicted * 1e3, 3),
                                "measured_before_ms": None if measured is None else round(measured * 1e3, 3),
-                               "link": {"latency_ms": round(lat * 1e3, 4), "MB_per_s": round(self.link["bw"] / 1e6, 2)},
-                               "compute_ms": round(compute * 1e3, 3),
+                               "link": {"latency_ms": round(m.lat * 1e3, 4), "MB_per_s": round(m.bw / 1e6, 2)},
+                               "compute_ms": round(m.compute * 1e3, 3),
                                "predicted_ms_per_candidate": table,
                                "calibration": self._calibration_report(),
                                "guard": self.guard_report()})
@@ -565,100 +602,94 @@ class AutoTuner:
         return changed
 
     # ---- measuring the contenders the model cannot separate ------------------------------
-    def _contenders(self, all_times, choice: List[int]) -> List[Dict[str, Any]]:
+    def _contenders(self, forecasts: List[Forecast], choice: List[int]) -> List[Contender]:
         """Configurations worth measuring: for each candidate c predicted within ``_CONTEND`` x the
         fastest on some bucket, c on those buckets and the model's choice elsewhere; most accurate
-        first. The model's errors on this machine reach 2-3x (calibration ratios of 0.5-2.5 measured
-        on the main job), enough to put top-k ahead of fp16 at 1 Gbit/s where fp16's steps were 25%
-        shorter -- so auto measures the step period of each contender (Horovod's autotuner, too,
-        measures configurations rather than predicting them)."""
+        first. The model's errors on a busy machine reach 2-3x, so auto measures the step period of
+        each contender (Horovod's autotuner, too, measures configurations rather than predicting them)."""
         out, seen = [], set()
         for c in range(len(self.auto.candidates)):
-            cfg = []
-            for best, times, _, _ in all_times:
-                cfg.append(c if times[c] <= _CONTEND * times[best] else None)
+            cfg = [c if f.times[c] <= _CONTEND * f.times[f.fastest] else None for f in forecasts]
             if all(x is None for x in cfg):
                 continue
             fill = [x if x is not None else model for x, model in zip(cfg, choice)]
-            key = tuple(fill)
-            if key in seen:
+            if tuple(fill) in seen:
                 continue
-            seen.add(key)
-            out.append({"label": self.auto.candidate_specs[c], "choice": fill,
-                        "routes": [kinds[ci] for ci, (_, _, _, kinds) in zip(fill, all_times)],
-                        "predicted": sum(times[ci] for ci, (_, times, _, _) in zip(fill, all_times))})
+            seen.add(tuple(fill))
+            out.append(Contender(label=self.auto.candidate_specs[c], choice=fill,
+                                 routes=[f.routes[ci] for ci, f in zip(fill, forecasts)],
+                                 predicted=sum(f.times[ci] for ci, f in zip(fill, forecasts))))
         return out if len(out) > 1 else []
 
     def _trial_window_done(self, early: bool = False) -> None:
         """One contender's window is over: its step periods and exchange times are kept (after the
         ``_SETTLE`` periods of the switch), then the next contender runs. The contenders take turns in
         ``_ROUNDS`` (2) rounds of ``trial / 2`` exchanges, the second round in reverse order (ABC CBA:
-        this machine's speed drifts between blocks of steps -- one trial measured fp16 at 6.5 ms for ten
-        steps, then 7.5 ms -- and interleaving spreads a drift over every contender). After the last
+        a machine's speed drifts between blocks of steps, and interleaving spreads a drift over every
+        contender). After the last
         window each contender's median period over both rounds (the ranks' mean, one allreduce) gives
         the choice: the most accurate within ``slack`` of the shortest, its candidates calibrated.
 
         ``early`` (first round only): a contender after a quarter of its ``trial`` (at least 3
         exchanges past the settle periods) whose median period is over ``_CUT`` x (1 + slack) x the
         shortest first-round window cannot be chosen, and stops (successive halving's rule, Jamieson
-        and Talwalkar 2016). On the main job at 300 Mbit/s qsgd ran 1.7x top-k's period; its trial
-        steps cost 0.2 s of a 13 s job."""
+        and Talwalkar 2016)."""
         t, pipe = self._trial, self.pipe
-        order = _round_order(t)
-        ci = order[t["i"]]
+        order = t.round_order()
+        ci = order[t.i]
         periods = self._periods[_SETTLE:] or self._periods
         meas = self._measured[_SETTLE:] or self._measured
-        if t["round"] == 0:  # the ranks' mean of this window, for the early cut
+        if t.round == 0:  # the ranks' mean of this window, for the early cut
             got = self._allreduce(torch.tensor([_median(periods) if periods else 0.0, _median(meas) if meas else 0.0]),
                                   f"hvd_ext.auto.trial.{pipe.step}")
             if early:
-                if float(got[0]) <= _CUT * (1 + self.auto.slack) * min(t["first"].values()):
+                if float(got[0]) <= _CUT * (1 + self.auto.slack) * min(t.first.values()):
                     return  # a contender still: it runs its whole window
-                t["cut"].append(ci)
-                self._calibrate(float(got[1]), [t["configs"][ci]["predicted"]], ran=t["configs"][ci]["choice"])
-            t["first"][ci] = float(got[0])
-        t["periods"].setdefault(ci, []).extend(periods)
-        t["exchange"].setdefault(ci, []).extend(meas)
+                t.cut.append(ci)
+                self._calibrate(float(got[1]), [t.contenders[ci].predicted], ran=t.contenders[ci].choice)
+            t.first[ci] = float(got[0])
+        t.periods.setdefault(ci, []).extend(periods)
+        t.exchange.setdefault(ci, []).extend(meas)
         self._measured, self._periods = [], []
-        t["i"] += 1
-        if t["i"] >= len(order) and t["round"] + 1 < _ROUNDS and len(t["order"]) - len(t["cut"]) > 1:
-            t["round"], t["i"] = t["round"] + 1, 0
-            order = _round_order(t)
-        if t["i"] < len(order):
-            nxt = t["configs"][order[t["i"]]]
-            self._apply(nxt["choice"], nxt["routes"])  # (the last of a round opens the next: no change)
-            t["start"] = pipe.step
+        t.i += 1
+        if t.i >= len(order) and t.round + 1 < _ROUNDS and len(t.order) - len(t.cut) > 1:
+            t.round, t.i = t.round + 1, 0
+            order = t.round_order()
+        if t.i < len(order):
+            nxt = t.contenders[order[t.i]]
+            self._apply(nxt.choice, nxt.routes)  # (the last of a round opens the next: no change)
+            t.start = pipe.step
             return
         self._trial_decide()
 
     def _trial_decide(self) -> None:
         """Every window has run: the choice from the contenders' medians over both rounds."""
         t, pipe = self._trial, self.pipe
-        alive = [ci for ci in t["order"] if ci not in t["cut"]]
+        alive = [ci for ci in t.order if ci not in t.cut]
         mine = []
         for ci in alive:
-            mine += [_median(t["periods"][ci]) if t["periods"][ci] else 0.0,
-                     _median(t["exchange"][ci]) if t["exchange"][ci] else 0.0]
+            mine += [_median(t.periods[ci]) if t.periods[ci] else 0.0,
+                     _median(t.exchange[ci]) if t.exchange[ci] else 0.0]
         got = self._allreduce(torch.tensor(mine), f"hvd_ext.auto.trial.decide.{pipe.step}")
         period = {ci: float(got[2 * k]) for k, ci in enumerate(alive)}
         exchange = {ci: float(got[2 * k + 1]) for k, ci in enumerate(alive)}
         for ci in alive:
-            self._calibrate(exchange[ci], [t["configs"][ci]["predicted"]], ran=t["configs"][ci]["choice"])
+            self._calibrate(exchange[ci], [t.contenders[ci].predicted], ran=t.contenders[ci].choice)
         shortest = min(period.values())
-        pick = next(ci for ci in range(len(t["configs"])) if ci in period and period[ci] <= (1 + self.auto.slack) * shortest)
-        cfg = t["configs"][pick]
+        pick = next(ci for ci in range(len(t.contenders)) if ci in period and period[ci] <= (1 + self.auto.slack) * shortest)
+        cfg = t.contenders[pick]
         self._trial = None
-        self._apply(cfg["choice"], cfg["routes"])
+        self._apply(cfg.choice, cfg.routes)
         self.predicted_s = exchange[pick]  # the drift check's reference: what this choice measured
         self.last_eval = pipe.step
         self._check_every = self.auto.check
-        measured = {t["configs"][ci]["label"]: round(period.get(ci, t["first"].get(ci, 0.0)) * 1e3, 3) for ci in t["order"]}
+        measured = {t.contenders[ci].label: round(period.get(ci, t.first.get(ci, 0.0)) * 1e3, 3) for ci in t.order}
         self.decisions.append({"step": pipe.step, "reason": "trial",
                                "choice": [self.auto.candidate_specs[c] for c in self.choice],
                                "predicted_ms": round(self.predicted_s * 1e3, 3),
                                "link": self.decisions[-1].get("link") if self.decisions else None,
                                "measured_period_ms": measured,
-                               "cut_early": [t["configs"][ci]["label"] for ci in t["cut"]],
+                               "cut_early": [t.contenders[ci].label for ci in t.cut],
                                "calibration": self._calibration_report(), "guard": self.guard_report()})
         del self.decisions[:-20]
 
@@ -740,14 +771,6 @@ class AutoTuner:
         self.debt = {k: v.clone() for k, v in (state or {}).get("debt", {}).items()}
         self.debt_left = dict((state or {}).get("debt_left", {}))
         self._released = {}
-
-
-def _round_order(t: Dict[str, Any]) -> List[int]:
-    """The contenders of trial ``t``'s current round, in the order they run: the first round by
-    prediction, later rounds reversed and without the contenders cut early."""
-    if t["round"] == 0:
-        return t["order"]
-    return list(reversed([ci for ci in t["order"] if ci not in t["cut"]]))
 
 
 def _median(xs: List[float]) -> float:

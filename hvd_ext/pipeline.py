@@ -66,10 +66,9 @@ def plan_buckets(named_params: List[Tuple[str, torch.Tensor]], bucket_bytes: int
                  first_bucket_bytes: Optional[int] = None) -> List[List[int]]:
     """Greedy buckets over ``named_params`` in reverse order, each up to ``bucket_bytes`` dense bytes;
     the first one closes as soon as it holds ``first_bucket_bytes`` (when given), so the tensor that
-    crosses that size goes in it, as in DDP's bucket assignment: with a 1 MiB first bucket closed
-    before the crossing tensor, the main job's CNN at 0.68M parameters had a first bucket of 2.8k
-    elements and nothing of the exchange overlapped backward (``none`` 1.18x Horovod's step time at
-    300 Mbit/s)."""
+    crosses that size goes in it, as in DDP's bucket assignment (closed before the crossing tensor,
+    the first bucket of a small model can be tiny, and then nothing of the exchange overlaps
+    backward)."""
     buckets: List[List[int]] = []
     cur: List[int] = []
     cur_bytes = 0
@@ -280,63 +279,17 @@ class GradientPipeline:
                 raise
         for b in self.buckets:  # second phases start before any bucket is waited for
             b.route.progress()
-        flags = []
-        comp, fb = self.compressor, self.feedback
-        use_fb = not isinstance(fb, NoFeedback)
-        for b in self.buckets:
-            code0 = b.route.code_s
-            results, supports, nf = b.route.finish()
-            flags.append(nf)
-            t0 = time.perf_counter()
-            # auto choosing a codec that runs without error feedback when fixed (none, fp16, bf16: lossless;
-            # qsgd: unbiased) runs it as fixed: memory cleared, no per-step residual to keep.
-            lossless = use_fb and self.auto is not None and not comp.uses_memory(b.comp)
-            warm = b.comp is self._warm
-            records, sents = b.route.records, None
-            if b.parts is not None:  # one flat record: split the result back into the bucket's tensors
-                records = b.parts
-                results = split_flat(results[0], records)
-                supports = split_flat(supports[0], records) if supports[0] is not None else [None] * len(records)
-                if use_fb and not (warm or lossless):  # a bucket_flat codec's contribution ignores the result
-                    sents = split_flat(b.route.sent(0, None), records)
-            for i, (rec, res, sup) in enumerate(zip(records, results, supports)):
-                if warm:
-                    pass
-                elif lossless:
-                    fb.forget(rec.name)
-                elif use_fb:
-                    res = fb.adjust(rec.name, res, rec.info, sup)
-                    sent = b.route.sent(i, res) if sents is None else sents[i]
-                    fb.update(rec.name, rec.u, sent.reshape(rec.u.shape), rec.info)
-                p = rec.param
-                g = p.grad
-                res = res.reshape(g.shape)
-                if g.is_sparse:  # sparse_as_dense: handed back sparse, as Horovod does (SparseAdam)
-                    p.grad = res.to(g.dtype, copy=True).to_sparse(g.sparse_dim())
-                else:
-                    g.copy_(res)
-            self.compress_s += time.perf_counter() - t0 + (b.route.code_s - code0)
-            b.started = False
-            b.ready.clear()
-            b.route.records = []
-            b.parts = None
+        flags = [self._finish_bucket(b) for b in self.buckets]
         try:
             nonfinite = read_step(flags, self._checks)  # the step's one read
         except BaseException:
             self._drop_step()
             raise
-        if nonfinite:
-            fb.discard()
-            comp.discard()
-            self.owner_memory.discard()
-            if self.auto is not None:
-                self.auto.discard()
-        else:
-            fb.commit()
-            comp.commit()
-            self.owner_memory.commit()
-            if self.auto is not None:
-                self.auto.commit()
+        for part in self._participants():  # staged state: kept on a finite step, dropped on every rank else
+            if nonfinite:
+                part.discard()
+            else:
+                part.commit()
         self.step += 1
         if self._warm is not None and self.step == self.dense_steps:
             self._end_warmup()
@@ -348,11 +301,50 @@ class GradientPipeline:
         self._step_code_s = 0.0
         return nonfinite
 
+    def _finish_bucket(self, b: _Bucket):
+        """Wait for bucket ``b``, let the feedback see what was sent, write the averages into the
+        gradients. Returns the route's non-finite flag (a device value, read once per step)."""
+        code0 = b.route.code_s
+        results, supports, nf = b.route.finish()
+        t0 = time.perf_counter()
+        fb = self.feedback
+        use_fb = not isinstance(fb, NoFeedback)
+        # auto choosing a codec that runs without error feedback when fixed (none, fp16, bf16: lossless;
+        # qsgd: unbiased) runs it as fixed: memory cleared, no per-step residual to keep.
+        lossless = use_fb and self.auto is not None and not self.compressor.uses_memory(b.comp)
+        warm = b.comp is self._warm
+        records, sents = b.route.records, None
+        if b.parts is not None:  # one flat record: split the result back into the bucket's tensors
+            records = b.parts
+            results = split_flat(results[0], records)
+            supports = split_flat(supports[0], records) if supports[0] is not None else [None] * len(records)
+            if use_fb and not (warm or lossless):  # a bucket_flat codec's contribution ignores the result
+                sents = split_flat(b.route.sent(0, None), records)
+        for i, (rec, res, sup) in enumerate(zip(records, results, supports)):
+            if warm:
+                pass
+            elif lossless:
+                fb.forget(rec.name)
+            elif use_fb:
+                res = fb.adjust(rec.name, res, rec.info, sup)
+                sent = b.route.sent(i, res) if sents is None else sents[i]
+                fb.update(rec.name, rec.u, sent.reshape(rec.u.shape), rec.info)
+            _write_grad(rec.param, res)
+        self.compress_s += time.perf_counter() - t0 + (b.route.code_s - code0)
+        b.started = False
+        b.ready.clear()
+        b.route.records = []
+        b.parts = None
+        return nf
+
+    def _participants(self) -> list:
+        """What keeps staged per-step state: committed on a finite step, discarded otherwise."""
+        return [p for p in (self.feedback, self.compressor, self.owner_memory, self.auto) if p is not None]
+
     def _drop_step(self) -> None:
         """A check failed (a corrupt payload, ranks that disagree): nothing of this step is kept."""
-        for part in (self.feedback, self.compressor, self.owner_memory, self.auto):
-            if part is not None:
-                part.discard()
+        for part in self._participants():
+            part.discard()
 
     def reset(self) -> None:
         """Forget a step in progress (``load_state_dict``)."""
@@ -397,3 +389,14 @@ class GradientPipeline:
             self.owner_memory.load_state_dict(state.get("owner", {}))
         else:
             self.owner_memory.load_state_dict({})
+
+
+def _write_grad(p: torch.Tensor, res: torch.Tensor) -> None:
+    """The averaged gradient into ``p.grad``, in place; a sparse gradient (``sparse_as_dense``) is
+    handed back sparse, as Horovod does (``SparseAdam`` needs it)."""
+    g = p.grad
+    res = res.reshape(g.shape)
+    if g.is_sparse:
+        p.grad = res.to(g.dtype, copy=True).to_sparse(g.sparse_dim())
+    else:
+        g.copy_(res)

@@ -5,7 +5,8 @@ The node-aware exchange (dense inside a node, compressed across nodes) is chosen
 from an alpha-beta model of the two links (:mod:`hvd_ext.exchange.probe` measures them,
 :func:`hvd_ext.exchange.cost.choose_hierarchy` predicts each route). The model leaves out what
 decides on a busy machine -- CPU contention between the ranks of a node, skew, Python costs --
-and on a 2x2 testbed two identical flat runs differed by 1.4x. So, as ``compression="auto"``
+and identical runs differ by more than its margins (``compare_nodes_repeat`` in
+benchmarks/RESULTS.md). So, as ``compression="auto"``
 does for codecs (and Horovod's autotuner for its fusion settings), the choice is measured
 where the model cannot separate the two: when the predicted step exchange of one is within
 ``_CONTEND`` (3x) of the other, after the dense warm-up

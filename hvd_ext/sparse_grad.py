@@ -83,3 +83,63 @@ class SparseExchange:
 
     def reset(self) -> None:
         self.pending.clear()
+
+
+class SparseGradients:
+    """Which parameters have sparse gradients, and their exchange.
+
+    Learnt at the first exchange (in each world): the hooks note which gradients arrive sparse,
+    the ranks agree on the union (one allgather), and from then on those parameters leave the
+    dense pipeline and travel as indices + values. With ``as_dense`` (``sparse_as_dense=True``,
+    or Adasum) nothing is learnt: every gradient goes through the dense pipeline."""
+
+    def __init__(self, exchange, params: List[Tuple[str, torch.Tensor]], value_dtype: Optional[torch.dtype],
+                 as_dense: bool, requested_as_dense: bool, active: bool):
+        self.exchange = SparseExchange(exchange, value_dtype)
+        self.params = params                  # (name, param) of every trainable parameter
+        self.as_dense = as_dense
+        self.requested_as_dense = requested_as_dense  # the user's sparse_as_dense (configuration check)
+        self.forget(learnt=not active or as_dense)
+
+    def forget(self, learnt: Optional[bool] = None) -> None:
+        """Drop the agreement (a new world learns it again) and anything in flight."""
+        self.exchange.reset()
+        self.agreed: List[Tuple[str, torch.Tensor, int]] = []   # (name, param, sparse_dim)
+        self._dims: Dict[int, int] = {}
+        self._seen: Dict[str, int] = {}
+        self.learnt = self.as_dense if learnt is None else learnt
+
+    @property
+    def in_flight(self) -> bool:
+        return self.exchange.in_flight
+
+    def owns(self, p: torch.Tensor) -> bool:
+        return id(p) in self._dims
+
+    def saw(self, name: str, grad: Optional[torch.Tensor]) -> None:
+        """A gradient arrived (a hook, or ``synchronize``): note it if it is sparse."""
+        if not self.learnt and grad is not None and grad.is_sparse:
+            self._seen[name] = grad.sparse_dim()
+
+    def start(self, name: str, p: torch.Tensor) -> None:
+        self.exchange.start(name, p, self._dims[id(p)])
+
+    def finish(self) -> bool:
+        """Wait for the sparse exchanges; the global non-finite flag."""
+        return self.exchange.finish(self.agreed) if self.agreed else False
+
+    def learn(self, allgather_object) -> bool:
+        """Once per world, after its first exchange: agree on the union over ranks and hand this step's
+        dense averages of those parameters back sparse. True when the dense pipeline must be rebuilt
+        without them."""
+        self.learnt = True
+        seen = allgather_object(sorted(self._seen.items()), "hvd_ext.sparse.names")
+        dims = {n: d for per_rank in seen for n, d in per_rank}
+        if not dims:
+            return False
+        self.agreed = [(n, p, dims[n]) for n, p in self.params if n in dims]
+        self._dims = {id(p): d for _, p, d in self.agreed}
+        for _, p, d in self.agreed:
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad = p.grad.to_sparse(d)
+        return True

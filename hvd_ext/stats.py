@@ -26,6 +26,15 @@ class CommStats:
         self.compress_s = 0.0
         self.extra: Dict[str, Any] = {}
         self._log = None
+        self._totals = (0, 0, 0.0, 0.0)  # the exchange's running counters at the last record_totals
+
+    def record_totals(self, *, bytes_sent: int, bytes_received: int, comm_wait_s: float, compress_s: float,
+                      skipped: bool, exchanged: bool = True) -> Dict[str, Any]:
+        """Record a step from running counters (an exchange's totals): the step is what they grew by."""
+        now = (bytes_sent, bytes_received, comm_wait_s, compress_s)
+        last, self._totals = self._totals, now
+        return self.record(bytes_sent=now[0] - last[0], bytes_received=now[1] - last[1], comm_wait_s=now[2] - last[2],
+                           compress_s=now[3] - last[3], skipped=skipped, exchanged=exchanged)
 
     def record(self, *, bytes_sent: int, bytes_received: int, comm_wait_s: float, compress_s: float,
                skipped: bool, exchanged: bool = True, **extra) -> Dict[str, Any]:

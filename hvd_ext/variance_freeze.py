@@ -7,22 +7,20 @@ Why. Adam divides each coordinate's step by sqrt(v), v a running mean of g^2, so
 not linear in the gradient. Error feedback (top-k, DGC, sign codecs) delivers a coordinate's
 gradient late and in bursts -- top-k at 1% sends about 100x the gradient once every ~100 steps:
 v grows with the square of the burst and the summed step shrinks about tenfold. Unbiased
-quantizers (QSGD, TernGrad) inflate v with their variance the same way. On the main job's model
-(Adam, lr 1e-3, 8 epochs) that left topk, dgc, efsignsgd, sig at 41-47% and qsgd at 63%
-against 83% uncompressed.
+quantizers (QSGD, TernGrad) inflate v with their variance the same way, and training falls far
+behind the uncompressed run.
 
 What. (1) The first ``variance_warmup`` exchanges are sent dense (the exact average), so the
 optimizer's second moment is estimated from true gradients. (2) From then on it is frozen at
 its bias-corrected value V: Adam becomes momentum SGD under a fixed diagonal preconditioner,
 which is linear in the gradient, so the delayed sums of error feedback add up as under SGD.
 
-Warm-up length (measured on the main job's model, Adam lr 1e-3, accuracy after 8 epochs): for
-top-k the longer the dense warm-up, the worse after the switch (0: 74%, 20: 74%, 50: 64%, 100:
-48%, 200: 59%; dgc 84% at 0 against 55% at 200; uncompressed 83%): gradients shrink as training
+Warm-up length: for top-k and dgc a longer dense warm-up does worse after the switch
+(``benchmarks/defaults_check.py`` with ``variance_warmup=N``): gradients shrink as training
 goes on, and a moment frozen from the first, largest gradients keeps the bursts of error
 feedback in check. Sparsifiers, quantizers and PowerSGD therefore default to 0 (frozen from the
-first step). The error-feedback sign codecs (efsignsgd, onebit) diverged without a warm-up
-(9-10%) and keep 1-bit Adam's, 200 exchanges (``Compressor.default_variance_warmup``).
+first step). The error-feedback sign codecs (efsignsgd, onebit) diverge without a warm-up
+and keep 1-bit Adam's, 200 exchanges (``Compressor.default_variance_warmup``).
 
 How, without re-implementing the optimizer. Before each step the state is set so that the
 optimizer's own update lands exactly on the frozen value. For the Adam family (Adam, AdamW,

@@ -38,11 +38,10 @@ SPECS = sorted(list_compressors()) + VARIANTS
 def _flat_only(spec):
     """Why ``spec`` has no node-aware route, or None."""
     from hvd_ext.spec import compression_from_spec
-    from hvd_ext.exchange.routes import NODE_FEEDBACKS, SHARDABLE_LINEAR
     comp = compression_from_spec(spec)
-    if comp.exchange == "allreduce" and comp.name not in SHARDABLE_LINEAR:
+    if comp.exchange == "allreduce" and not comp.shardable:
         return "payloads that cannot be cut into shards"
-    if getattr(comp.feedback, "name", "none") not in NODE_FEEDBACKS:
+    if comp.feedback is not None and not comp.feedback.node_level:
         return f"feedback {comp.feedback.name} needs every rank's own sent mask"
     return None
 

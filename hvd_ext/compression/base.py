@@ -128,6 +128,11 @@ class Compressor:
     sparse: ClassVar[bool] = False
     # Two-phase exchange: the shard owner keeps an error-feedback memory of its re-compression.
     owner_feedback: ClassVar[bool] = True
+    # Linear codecs: the dtype the payload is summed in (None: not an elementwise cast), and whether
+    # the payload can be cut into shards elementwise -- the node-aware route's dense reduce-scatter
+    # inside a node needs it (PowerSGD's factors cannot be cut).
+    wire_dtype: ClassVar[Optional[torch.dtype]] = None
+    shardable: ClassVar[bool] = False
     # True when decode(encode(g)) == g up to float rounding (none, fp16, bf16): no error feedback, and an
     # adaptive optimizer's second moment is left live (hvd_ext.variance_freeze).
     lossless: ClassVar[bool] = False

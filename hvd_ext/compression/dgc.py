@@ -73,9 +73,8 @@ class DGCCompressor(SparseCompressor):
         return 1.0 - self.density(step)
 
     def selections(self, items, whole=None):
-        """scope=model: one selection of density(step) over the concatenated |v| of the bucket (per
-        layer, 1% of the main job's model trained to 89.9% in 24 epochs; over the model, as topk's
-        scope=model, to within a point of none)."""
+        """scope=model: one selection of density(step) over the concatenated |v| of the bucket (a fixed
+        fraction per layer starves the small layers; see topk's ``scope``)."""
         density = self.density(items[0][1].step)
         if self.scope == "model":
             cat, sizes = bucket_abs(items)

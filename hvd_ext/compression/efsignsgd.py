@@ -38,7 +38,7 @@ class EFSignSGDCompressor(Compressor):
                                 help="coordinates per scale")}
 
     def bind_optimizer(self, optimizer):
-        # SGD only: under Adam the frozen second moment after 200 dense exchanges is what was measured
+        # SGD only: under Adam, 1-bit Adam's dense warm-up and frozen second moment apply instead
         compress_momentum(self, optimizer, adam=False)  # before the feedback takes the momentum over
         super().bind_optimizer(optimizer)
 

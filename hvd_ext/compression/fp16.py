@@ -18,6 +18,7 @@ class CastCompressor(Compressor):
     transient_results = True
     exchange = "allreduce"
     wire_dtype = torch.float16
+    shardable = True
 
     def compress(self, tensor, info):
         flat = tensor.reshape(-1)

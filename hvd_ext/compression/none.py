@@ -1,6 +1,8 @@
 """No compression: the dense gradient rides on Horovod's allreduce (Horovod ``Compression.none``)."""
 from __future__ import annotations
 
+import torch
+
 from .base import Compressor, register
 
 
@@ -9,6 +11,8 @@ class NoneCompressor(Compressor):
     lossless = True
     transient_results = True
     exchange = "allreduce"
+    wire_dtype = torch.float32
+    shardable = True
 
     def compress(self, tensor, info):
         return tensor.reshape(-1), None

@@ -24,10 +24,8 @@ Effective rank ``r = min(rank, n, m)``.
 
 Defaults ``rank=4, start_step=100``: Vogels et al. use rank 2-4 (rank 4 for their
 language model) and DDP's hook runs dense for its first ``start_powerSGD_iter``
-steps (default 1000; "about 10% of training"). In an ordinary loop (main job's
-CNN, SGD lr 0.05 / momentum 0.9) rank 1 from step 0 reached 42% after 8 epochs,
-rank 2 with 100 dense steps 73%, rank 4 with 100 dense steps 87% (none 89%) and
-96.2% after 24 epochs (none 96.7%).
+steps (default 1000; "about 10% of training"). In an ordinary loop a lower rank, or
+no dense warm-up, converges clearly slower (``benchmarks/defaults_check.py``).
 
 Wire bytes (allreduce, two rounds, float32): ``4 * (n + m) * r`` for a compressed
 tensor, ``itemsize * numel`` otherwise (see ``wire_bytes_for(shape)``).

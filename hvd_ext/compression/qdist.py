@@ -1,4 +1,4 @@
-"""qdist: layer-wise quantization fitted to the gradient's distribution (thesis technique 5).
+"""qdist: layer-wise quantization fitted to the gradient's distribution (technique 5 in docs/techniques.md).
 
 Related work: Lloyd 1982 / Max 1960 (optimal scalar quantizers), Faghri et al. 2020
 ("Adaptive Gradient Quantization for Data-Parallel SGD", ALQ/AMQ) and Ramezani-Kebrya
@@ -37,9 +37,10 @@ Per layer (one tensor x of n elements), ``bucket=0``:
 
 Per-bucket scales with per-layer fitted levels (``bucket=B > 0``). One scale per layer wastes
 levels wherever the magnitude varies inside a layer (output channels, rows of a weight matrix):
-QSGD's per-bucket max-norm scaling beats it on real gradients. So each bucket j of B elements gets
-its own scale s_j >= max_j |x| and the layer's values are normalized to z = x / s_j in [-1, 1],
-whose distribution *shape* (the same for the whole layer) the levels are fitted to:
+QSGD's per-bucket max-norm scaling beats it on real gradients (``benchmarks/quant_error.py``).
+So each bucket j of B elements gets its own scale s_j >= max_j |x| and the layer's values are
+normalized to z = x / s_j in [-1, 1], whose distribution *shape* (the same for the whole layer)
+the levels are fitted to:
 
 a. Scales: M = max|x| of the layer (f32); bucket j sends one byte c_j with
    ``s_j = M 2^(-c_j/16)`` the smallest such value >= max_j |x| (c_j = 255: an all-zero bucket,

@@ -1,4 +1,4 @@
-"""The level math of qdist (thesis technique 5): tables, grids and fits, on the host and on a device.
+"""The level math of qdist (technique 5 in docs/techniques.md): tables, grids and fits, on the host and on a device.
 
 * :func:`level_table` -- the 2^b levels of a unit-variance Gaussian or Laplace that minimize the
   expected error of *stochastic* rounding within +-T, T = 2^(k/16) (Newton on the Lloyd-Max

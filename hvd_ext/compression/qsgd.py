@@ -46,8 +46,8 @@ def _encode(v, key, codes_out, n: int, *, s: int, l2: bool):
     u = _cpu.uniform(v.numel(), key, v.device).view(v.shape)
     lvl = (lo + torch.where(u < r - lo, 1.0, 0.0)).clamp(max=s)
     signed = torch.where(v < 0, -lvl, lvl) + s
-    # all k*c codes (padding included): a copy of a slice [:n] lost the last partial bucket once
-    # compiled, so the caller keeps the padded tail out of the packed stream instead
+    # all k*c codes (padding included): compiled, a copy of a slice [:n] can lose the last partial
+    # bucket, so the caller keeps the padded tail out of the packed stream instead
     codes_out.copy_(signed.reshape(-1).to(torch.uint8))
     return norms.reshape(-1)
 

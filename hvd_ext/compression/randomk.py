@@ -6,18 +6,14 @@ replacement; the rest stays in the residual feedback memory (default
 (seed, step, tensor name[, rank]) so nothing random is kept as state and a
 resumed run draws the same indices.
 
-Defaults that converge in an ordinary loop (main job's CNN, 2 ranks, 24 epochs;
-``benchmarks/defaults_check.py``). A coordinate waits ~1/ratio steps in memory and
-then arrives as one burst; the optimizer's momentum applied to those bursts
-diverged (SGD lr 0.05 / momentum 0.9: 9.6% at ratio 0.01, and at 0.1) and Adam's
-first moment stalled (33% at 0.01, 37% at 0.1 after 8 epochs). So, as in 1-bit
-Adam (Tang et al. 2021), the momentum is compressed instead
-(``hvd_ext.feedback.residual.compress_momentum``: SGD's momentum, or Adam/AdamW/
-RAdam's first moment, taken over; ``velocity=exchanged``), Adam's second moment
-is frozen after 10 dense exchanges, and the default ratio is 0.1 (SGD: 93.9%,
-Adam: 96.2% against none's 96.7% / 90.7%). At ratio 0.01 SGD still reaches only
-61% (Adam, moment frozen from the first step: 93.7%), hence the warning below 5%
-under SGD.
+Defaults that converge in an ordinary loop (``benchmarks/defaults_check.py``). A
+coordinate waits ~1/ratio steps in memory and then arrives as one burst; the
+optimizer's momentum applied to those bursts diverges under SGD and stalls Adam's
+first moment. So, as in 1-bit Adam (Tang et al. 2021), the momentum is compressed
+instead (``hvd_ext.feedback.residual.compress_momentum``: SGD's momentum, or
+Adam/AdamW/RAdam's first moment, taken over; ``velocity=exchanged``), Adam's second
+moment is frozen after 10 dense exchanges, and the default ratio is 0.1: far below
+it SGD converges slowly, hence the warning below 5% under SGD.
 
 * ``shared=0`` (default): each rank draws its own indices; payload = k int32
   indices + k float32 values = 8k bytes, exchanged by allgather.
@@ -87,9 +83,8 @@ class RandomKCompressor(Compressor):
         if self.ratio < 0.05 and (isinstance(optimizer, torch.optim.SGD) or self.feedback is None
                                   or self.feedback.name != "residual"):
             warnings.warn(
-                f"hvd_ext randomk: random-k at ratio={self.ratio} converged slowly in an ordinary training loop "
-                "(main job's MNIST-1D CNN, SGD lr 0.05 momentum 0.9, momentum compressed: 61% after 24 epochs "
-                "at ratio 0.01 against 96.7% uncompressed): with memory each coordinate waits ~1/ratio steps "
+                f"hvd_ext randomk: random-k at ratio={self.ratio} converges slowly in an ordinary training loop "
+                "(benchmarks/defaults_check.py): with memory each coordinate waits ~1/ratio steps "
                 "(Stich et al. 2018). For the same bytes use compression='topk:ratio="
                 f"{self.ratio}', or keep randomk's default ratio=0.1.", stacklevel=3)
         super().bind_optimizer(optimizer)

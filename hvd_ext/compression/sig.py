@@ -1,4 +1,5 @@
-"""Significance-based gradient selection (thesis technique 3).
+"""Significance-based gradient selection (technique 3 in docs/techniques.md; Taylor saliency after
+Molchanov et al., ICLR 2017).
 
 Each coordinate is scored by its first-order Taylor saliency
 s_j = |u_j| * (|w_j| + eps)^alpha, u = grad + memory, w the parameter
@@ -12,7 +13,7 @@ values sent are u, unsent mass stays in the feedback memory (default
 ``split`` chooses how the budget is divided (needs the pipeline's
 ``prepare_bucket`` hook; a lone ``compress`` call behaves as a one-tensor bucket):
 
-* ``mass`` (default, DESIGN): k_l proportional to the layer's total saliency
+* ``mass`` (default; technique 3's rule): k_l proportional to the layer's total saliency
   sum_j s_j (largest remainders, capped at the layer size, excess re-split);
 * ``global``: one top-k of s over the whole bucket;
 * ``layer``: k_l = ceil(ratio * n_l), like ``topk``.

@@ -3,7 +3,7 @@ Gradient Descent"; Stich et al. 2018, "Sparsified SGD with memory"; GRACE ``topk
 
 Each step sends the k = ceil(ratio * n) coordinates of u = grad + memory with
 the largest |u|; the rest stays in the residual memory (default
-``feedback=residual``; ``feedback=ewma`` gives thesis technique 4).
+``feedback=residual``; ``feedback=ewma`` gives technique 4 in docs/techniques.md).
 
 Options:
 
@@ -18,10 +18,9 @@ Options:
 * ``scope=model`` (default): one top-k over all tensors of a bucket
   (k = ceil(ratio * bucket size)); with the default 25 MiB buckets a small
   model is one bucket. Needs the pipeline's ``prepare_bucket`` hook; costs one
-  dense copy of the bucket's |u|. ``scope=layer``: k per tensor -- in an
-  ordinary loop (main job's CNN, SGD lr 0.05 / momentum 0.9) 47% after 8
-  epochs where scope=model had 63% and reached none's 96.7% at 24 epochs
-  because small layers got the same 1% as the large ones.
+  dense copy of the bucket's |u|. ``scope=layer``: k per tensor -- converges
+  slower in an ordinary loop, because small layers get the same fraction as
+  the large ones.
 
 Payload: see :mod:`hvd_ext.compression._sparse` (i32 count, values, 16-bit
 indices per 65536-chunk or int32). ``mode=exact,scope=layer`` has a fixed size,

@@ -325,8 +325,7 @@ class Exchange:
     def _fused(self, tag: str, parts: List[torch.Tensor], reuse: bool) -> torch.Tensor:
         """``parts`` concatenated into a fresh tensor, or with ``reuse`` into the buffer this tag used
         last time. A fresh CPU buffer of tens of MB is page-faulted in on every step (glibc maps it
-        anew): concatenating 43 MB ran at ~1.7 GB/s fresh against ~9 GB/s into a reused buffer, 26 ms
-        of a 212 ms step on a 10.7M-parameter model."""
+        anew), several times slower than a copy into a reused buffer."""
         if not reuse:
             return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         n = sum(p.numel() for p in parts)
@@ -392,15 +391,14 @@ class Exchange:
         return Pending("allreduce", handles, (len(payloads), metas), {"tags": tags})
 
     # ---- float16 on CPU and bfloat16: summed in float32 here, not by the transport ----------
-    # Horovod's CPU float16 sum (Gloo, MPI) converts element by element in scalar code: an
-    # fp16 allreduce of 122k elements waited 18 ms per step against ~1 ms for fp32, so fp16
-    # cost 1.95x Horovod's fp32 step time unshaped; and Horovod has no bfloat16 collective at all
-    # (CPU or CUDA), so bfloat16 travels as int16 of the same bits. Instead: N <= 2 (small buffers), one allgather
-    # and a local float32 sum; N > 2, reduce-scatter by alltoall (each rank sums its 1/N in
-    # float32) then an allgather of the half-precision result -- the ring's 2(N-1)/N x bytes
-    # either way. The sum is rounded back to the payload's dtype, as a half-precision ring sum
-    # (and DDP's bf16 hook) would. Every rank ends with bitwise the same values (the same sums,
-    # in the same order).
+    # Horovod's CPU float16 sum (Gloo, MPI) converts element by element in scalar code, far
+    # slower than its float32 sum; and
+    # Horovod has no bfloat16 collective at all (CPU or CUDA), so bfloat16 travels as int16 of
+    # the same bits. Instead: N <= 2 (small buffers), one allgather and a local float32 sum;
+    # N > 2, reduce-scatter by alltoall (each rank sums its 1/N in float32) then an allgather of
+    # the half-precision result -- the ring's 2(N-1)/N x bytes either way. The sum is rounded
+    # back to the payload's dtype, as a half-precision ring sum (and DDP's bf16 hook) would.
+    # Every rank ends with bitwise the same values (the same sums, in the same order).
     # From this many elements a 2-rank half-precision sum also goes reduce-scatter + allgather: each
     # rank then sums half the buffer (the same bytes on the wire, one more collective's latency).
     HALF_RS_MIN = 1 << 20

@@ -70,7 +70,7 @@ class LinkModel:
 
     alpha: float = 50e-6
     bandwidth: float = 1.25e9        # 10 Gbit/s
-    codec: float = 250e6             # elements per second, one CPU core (measured order)
+    codec: float = 250e6             # elements per second, one CPU core (order of magnitude; benchmarks/throughput.py)
 
     def time(self, messages: float, wire: float, coded: float) -> float:
         return messages * self.alpha + wire / self.bandwidth + coded / self.codec

@@ -76,10 +76,9 @@ def fit(t_small: float, t_large: float, wire_small: float, wire_large: float, me
 def measure_node_model(exchange, device=None, reps: int = 3) -> Dict[str, object]:
     """Measure the intra- and inter-node links of ``exchange``'s nodes (collective: every rank calls
     it, in the same order). The large probe grows (``LARGE``) until its time is ``SPREAD`` x the small
-    one's: on a fast link a small transfer hides in the noise of a collective's fixed cost (tens of ms
-    with 4 ranks on 2 shared cores), on a slow one a big transfer costs seconds. Every size step is
-    agreed in one allreduce of the ranks' mean times, so every rank takes the same steps and ends with
-    the same model. Returns ``{"model": NodeModel, "seconds": wall time spent}``."""
+    one's: on a fast link a small transfer hides in the noise of a collective's fixed cost, on a slow one
+    a big transfer costs seconds. Every size step is agreed in one allreduce of the ranks' mean times,
+    so every rank takes the same steps and ends with the same model. Returns ``{"model": NodeModel, "seconds": wall time spent}``."""
     t0 = time.perf_counter()
     topo = exchange.topology()
     L, M = topo.local_size, topo.cross_size

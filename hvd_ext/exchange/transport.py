@@ -24,10 +24,9 @@ them on Horovod (``HVD_EXT_NODE_GROUPS``):
   is one alltoall on the global process set in which a rank sends only to
   the members of its group (zero bytes to the others), so all groups of a
   phase run as one Horovod operation, nothing is needed at ``hvd.init``,
-  and no process set is added. Measured on the 2-node testbed with Horovod
-  0.28 (Gloo): adding the 4 local/cross process sets raised the latency of
-  every small global allreduce from 23 ms to 91 ms, because Horovod's
-  background loop coordinates every process set on every cycle;
+  and no process set is added. Every added process set raises the latency
+  of every small global allreduce, because Horovod's background loop
+  coordinates every process set on every cycle;
 * ``process_sets``: Horovod process sets for the nodes, which must be
   declared at ``hvd.init`` or be addable at run time, else one warning and
   the flat exchange::

@@ -22,9 +22,18 @@ import torch
 from ..options import Option, resolve_options
 
 
+# Marks a memory key (``name + SHARED + what``) whose state every rank keeps identical, or that a
+# rank resuming behind the others takes from the most advanced one; the rest is per rank.
+SHARED = "\x00"
+
+
 class Feedback:
     name: ClassVar[str] = "?"
     options: ClassVar[Dict[str, Option]] = {}
+    # True when the node-aware exchange can keep this memory at node level (error feedback of what
+    # the node's compression left out); momentum masking and prediction sharing need each rank's
+    # own sent mask.
+    node_level: ClassVar[bool] = False
 
     def __init__(self, **kwargs):
         self.opts = resolve_options(f"feedback '{self.name}'", self.options, kwargs)
@@ -69,12 +78,21 @@ class Feedback:
         self.memory = {k: v.clone() for k, v in state.get("memory", {}).items()}
         self._pending = {}
 
+    def shared_state_dict(self) -> Dict[str, Any]:
+        """The memory entries marked rank-shared (a ``SHARED`` in the key): what a rank resuming behind
+        the others takes from the most advanced one (the optimizer's state agreement)."""
+        return {"memory": {k: v.clone() for k, v in self.memory.items() if SHARED in k}}
+
+    def load_shared_state_dict(self, state: Dict[str, Any]) -> None:
+        """Take ``state``'s rank-shared entries; this rank's own per-tensor memory stays."""
+        own = {k: v for k, v in self.memory.items() if SHARED not in k}
+        self.load_state_dict({"memory": {**own, **state.get("memory", {})}})
+
 
 class MomentumTakeover:
     """Mixin for feedbacks that apply SGD momentum *before* compression (momentum correction,
     Lin et al. 2018, Sec. 3.2): with error feedback, momentum applied by the outer optimizer to
-    the compressed, delayed stream of updates destabilizes training (measured: dgc, topk,
-    randomk, efsignsgd, onebit, powersgd at lr 0.05 / momentum 0.9 on the main job's model);
+    the compressed, delayed stream of updates destabilizes training (``benchmarks/defaults_check.py``);
     accumulating the velocity locally and compressing it keeps the sum of applied updates
     equal to momentum SGD's.
 
@@ -124,7 +142,7 @@ class MomentumTakeover:
         mine = self.memory.get(self._TAKEN)
         super().load_state_dict(state)
         taken = self.memory.get(self._TAKEN)
-        if taken is None and mine is not None:  # a checkpoint from before this was kept
+        if taken is None and mine is not None:  # a checkpoint without it: keep this one's
             self.memory[self._TAKEN] = mine
         elif taken is not None and not self._explicit_momentum:
             self.momentum = float(taken)
@@ -218,3 +236,5 @@ def registry() -> Dict[str, type]:
 @register("none")
 class NoFeedback(Feedback):
     """No memory: what is not sent is lost."""
+
+    node_level = True

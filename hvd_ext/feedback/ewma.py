@@ -1,4 +1,4 @@
-"""Exponential-smoothing compensation for sparsification (thesis technique 4;
+"""Exponential-smoothing compensation for sparsification (technique 4 in docs/techniques.md;
 Gardner, "Exponential smoothing", J. Forecasting 1985). Usable with any sparsifier: ``topk:ratio=0.01,feedback=ewma``.
 
 Every rank holds the same smoothed estimate S of the aggregated gradient
@@ -18,7 +18,7 @@ the last term vanishes: sum_t A_t + R_T = sum_t sigma*sum_i g_i,t exactly -- the
 prediction is paid back from the memories once, never counted twice. Under
 ``op=Average`` (our default) c = 1: *each* worker's residual is reduced by the
 full lambda*S_j (the average of N workers each "sending" lambda*S_j is
-lambda*S_j); under ``op=Sum`` c = 1/N, DESIGN's r_i <- r_i - lambda*S_j/N.
+lambda*S_j); under ``op=Sum`` c = 1/N, i.e. r_i <- r_i - lambda*S_j/N.
 
 Per-step rate (``rate=1``, default). With error feedback a coordinate that
 waited a_j steps arrives carrying about a_j steps of gradient, so smoothing G_j

@@ -20,8 +20,8 @@ moment it is handed, not the squared gradient. During a dense warm-up
 first moment.
 Defaults (``compress_momentum``): the error-feedback sign codecs (efsignsgd,
 onebit) under SGD momentum, randomk under SGD momentum and the Adam family. Not
-the default otherwise: measured on the main job's CNN (SGD lr 0.05 / momentum
-0.9) it changed topk, powersgd and int8 by less than 2 points after 8 epochs.
+the default otherwise: it makes little difference to topk, powersgd and int8
+(``benchmarks/defaults_check.py``).
 
 On CUDA float32 tensors (``hvd_ext.ops.cuda_kernels`` present and not forced off) the new
 memory is written by the fused ``kernels.residual_update`` (one pass); elsewhere
@@ -60,6 +60,7 @@ class ResidualFeedback(MomentumTakeover, Feedback):
     feedback under the optimizer's own momentum."""
 
     takes_over_by_default = False
+    node_level = True
     options = {"momentum": Option(float, 0.0, "0 <= momentum < 1", lambda v: 0 <= v < 1,
                                   help="velocity accumulated before compression; > 0 takes over the SGD "
                                        "optimizer's momentum (0 = plain error feedback)"),
@@ -114,10 +115,9 @@ def compress_momentum(comp, optimizer, adam: bool) -> None:
     compressed momentum, Tang et al. 2021) instead of letting the optimizer apply its momentum to
     the delayed, bursty stream error feedback delivers: ``velocity=exchanged`` and the optimizer's
     momentum taken over -- ``torch.optim.SGD``'s ``momentum``, and with ``adam=True`` also the first
-    moment (``betas[0]``) of Adam, AdamW and RAdam. Measured on the main job's model (lr 0.05,
-    momentum 0.9), the optimizer's momentum on an error-compensated sign stream diverged (9-49%) and
-    compressing the shared velocity tracked ``signum``. The spec's ``momentum=``/``velocity=`` keys,
-    when given, win; call it before the feedback binds the optimizer."""
+    moment (``betas[0]``) of Adam, AdamW and RAdam. The optimizer's momentum on an
+    error-compensated sign stream diverges; compressing the shared velocity tracks ``signum``.
+    The spec's ``momentum=``/``velocity=`` keys, when given, win; call it before the feedback binds the optimizer."""
     fb = comp.feedback
     if fb is None or fb.name != "residual":
         return

@@ -26,8 +26,8 @@ def _mask_ge(score, out, thr, *, strict: bool):
 _MASK_GE = _cpu.Kernel(_mask_ge, "threshold mask")
 
 
-# From this many elements the word scan beats ``nonzero`` (one thread: 4M 8.2 vs 9.6 ms, 16M 23.6 vs
-# 27.7 ms; below it ``nonzero`` wins: 0.3M 0.57 vs 1.05 ms, 0.7M 1.48 vs 2.71 ms).
+# From this many elements the word scan beats ``nonzero`` on CPU; below it ``nonzero`` wins
+# (benchmarks/throughput.py).
 _WORD_SCAN_MIN = 1 << 21
 
 

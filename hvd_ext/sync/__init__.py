@@ -5,9 +5,9 @@ spec               strategy
 =================  =====================================================================
 ``every``          ``EverySync``: plain data parallel, gradients exchanged every step
 ``local:...``      ``LocalSGD``: average every ``period`` steps (``warmup`` = post-local SGD)
-``adaptive:...``   ``AdaptiveSync``: momentum-driven adaptive period (technique 6)
+``adaptive:...``   ``AdaptiveSync``: momentum-driven adaptive period (technique 6 in docs/techniques.md)
 ``event:...``      ``EventTriggeredSGD``: event-triggered async local SGD on an MPI RMA
-                   parameter server with staleness weighting (techniques 1-2)
+                   parameter server with staleness weighting (techniques 1-2 in docs/techniques.md)
 =================  =====================================================================
 
 ``sync_from_spec("local:period=8,warmup=100")`` validates the spec (ValueError naming

@@ -7,7 +7,6 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..exchange import Exchange
-from ..options import Option, resolve_options
 from ..stats import CommStats
 
 
@@ -23,10 +22,6 @@ def check_optimizer_model(owner: str, optimizer, model) -> None:
         raise ValueError(f"{owner}: model must be a torch.nn.Module, got {type(model).__name__}")
 
 
-def resolve(owner: str, declared: Dict[str, Option], given: Dict) -> Dict:
-    return resolve_options(owner, declared, given)
-
-
 class FlatState:
     """The tensors a strategy averages, in a fixed order every rank agrees on:
     the model's floating-point parameters, optionally its floating-point buffers
@@ -40,9 +35,6 @@ class FlatState:
         self.buffers: List[torch.Tensor] = ([b for b in model.buffers() if b.is_floating_point()]
                                             if buffers else [])
         self.momentum = momentum
-
-    def param_numel(self) -> int:
-        return sum(p.numel() for p in self.params)
 
     def momentum_tensors(self) -> List[torch.Tensor]:
         if not self.momentum:

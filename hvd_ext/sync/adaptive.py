@@ -1,4 +1,5 @@
-"""Momentum-driven adaptive synchronization (thesis technique 6).
+"""Momentum-driven adaptive synchronization (technique 6 in docs/techniques.md; local SGD after
+Lin, Stich, Patel, Jaggi, ICLR 2020).
 
 Local SGD whose period H adapts between ``min_period`` and ``max_period``. At each
 sync the parameters AND the momentum buffers are averaged with one fused

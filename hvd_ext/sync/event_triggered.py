@@ -1,10 +1,10 @@
-"""Event-triggered asynchronous local SGD (thesis technique 1) with loss-weighted
+"""Event-triggered asynchronous local SGD (technique 1 in docs/techniques.md) with loss-weighted
 staleness compensation (technique 2), against the one-sided ``ParameterServer``.
 
-Global variable consensus: minimise sum_i f_i(x_i) subject to x_i = z. Worker i
+Global variable consensus (Boyd et al. 2011): minimise sum_i f_i(x_i) subject to x_i = z. Worker i
 runs local SGD on x_i and keeps x̂_i, its parameters at its last exchange. After
 every local step it evaluates the event trigger (event-triggered control of
-multi-agent systems)::
+multi-agent systems, Dimarogonas, Frazzoli, Johansson, IEEE TAC 2012)::
 
     exchange  iff  tau_local >= tau_min  and  ( tau_local >= tau_max  or
                    ||x_i - x̂_i||² > sigma * ||x̂_i||² * rho^k + eps )
@@ -22,7 +22,7 @@ computing. Staleness weight w_s:
   training loss over the local steps that produced this update, L_global = the
   mean of the latest entries of all workers on the loss board (this worker's
   entry included, written just before the push). gamma = 0 is plain async SGD.
-* ``"inverse"``: classic staleness-aware ASGD, w_s = 1 / tau with tau = 1 + the
+* ``"inverse"``: staleness-aware ASGD (Zhang et al., IJCAI 2016), w_s = 1 / tau with tau = 1 + the
   number of other workers' pushes since this worker last pulled (read from the
   board's push counters).
 * ``"none"``: w_s = 1.
@@ -48,9 +48,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..options import Option
+from ..options import Option, resolve_options
 from ._common import (FlatState, average_buffers, check_optimizer_model, exchange_for, is_distributed_optimizer,
-                      resolve, stats_for)
+                      stats_for)
 from .param_server import PS_OPTIONS, ParameterServer, require_mpi_controller
 from .local_sgd import check_same_config
 
@@ -111,7 +111,7 @@ class EventTriggeredSGD:
                  tau_min: int = 5, tau_max: int = 16, staleness: str = "loss", gamma: float = 1.0,
                  sync_buffers: bool = True, progress: str = "auto", progress_interval: float = 0.002, comm=None):
         check_optimizer_model("EventTriggeredSGD", optimizer, model)
-        o = resolve("EventTriggeredSGD", self.declared,
+        o = resolve_options("EventTriggeredSGD", self.declared,
                     dict(sigma=sigma, rho=rho, eps=eps, tau_min=tau_min, tau_max=tau_max, staleness=staleness,
                          gamma=gamma, sync_buffers=sync_buffers, progress=progress,
                          progress_interval=progress_interval))

@@ -36,9 +36,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..ops.device import any_nonfinite
-from ..optimizer import fingerprint_mismatch, horovod_elastic, same_world, world_of
-from ..options import Option
-from ._common import FlatState, check_optimizer_model, exchange_for, is_distributed_optimizer, resolve, stats_for
+from ..world import World, fingerprint_mismatch
+from ..options import Option, resolve_options
+from ._common import FlatState, check_optimizer_model, exchange_for, is_distributed_optimizer, stats_for
 
 _INT1 = dict(accepted="integer >= 1", check=lambda v: v >= 1)
 _INT0 = dict(accepted="integer >= 0", check=lambda v: v >= 0)
@@ -112,7 +112,7 @@ class LocalSGD(_NoSharedState):
     def _setup(self, optimizer, model, given: Dict[str, Any]) -> None:
         owner = type(self).__name__
         check_optimizer_model(owner, optimizer, model)
-        opts = resolve(owner, self.declared, given)
+        opts = resolve_options(owner, self.declared, given)
         self._configure(opts)
         import horovod.torch as hvd
 
@@ -130,35 +130,35 @@ class LocalSGD(_NoSharedState):
         self.grad_steps = 0       # steps whose gradients were exchanged (warm-up)
         self.skipped_syncs = 0    # averages where some rank held a non-finite value
         self.included = self.process_set.included()
-        self._agreed = not self.included
         self.stats.extra.setdefault("sync", self.describe())
         self._fingerprint = {"sync": self.describe(), "distributed": self.distributed,
                              "tensors": [tuple(t.shape) for t in self.state.params + self.state.buffers],
                              "momentum": bool(self.state.momentum)}
         # Horovod elastic: no collective at construction; check and agree at the first step of each world
 
-        self._elastic = self.included and horovod_elastic()
-        self._world = world_of(exchange_for(self.process_set, optimizer)) if self._elastic else None
-        self._config_pending = self._elastic
-        self.world_changes = 0
-        if self.included and not self._elastic:
+        self._world = World(exchange_for(self.process_set, optimizer), self.included)
+        if self.included and not self._world.elastic:
             check_same_config(owner, self._fingerprint, self.process_set)
         self._set_mode()
+
+    @property
+    def world_changes(self) -> int:
+        """Re-initialisations of Horovod this strategy has followed (elastic)."""
+        world = getattr(self, "_world", None)
+        return world.changes if world is not None else 0
 
     def _enter_world(self) -> None:
         """Under Horovod elastic, at the top of ``step()``/``finish()``: after a re-initialisation of
         Horovod (a worker left or joined) check the configuration and agree on the counters again,
         then set the gradient-exchange mode from the agreed counters -- the same on every rank."""
 
-        world = world_of(exchange_for(self.process_set, self.optimizer))
-        if not same_world(self._world, world):
-            self._world = world
-            self.world_changes += 1
-            self._config_pending, self._agreed = True, False
-        if self._config_pending:
-            self._config_pending = False
+        w = self._world
+        if w.moved():
+            w.enter()
+        if w.check_due:
+            w.check_due = False
             check_same_config(type(self).__name__, self._fingerprint, self.process_set)
-        if not self._agreed:
+        if w.agree_due:
             self._agree()
             self._set_mode()
 
@@ -166,7 +166,7 @@ class LocalSGD(_NoSharedState):
         """Once, at the first step: if ranks hold different strategy state (a checkpoint loaded on
         rank 0 only, as in Horovod's resume recipe), every rank takes the most advanced rank's, so
         all ranks keep deciding identically when to average."""
-        self._agreed = True
+        self._world.agree_due = False
         states = exchange_for(self.process_set).allgather_object(self.state_dict(), "hvd_ext.sync.resume")
         steps = [int(sd.get("steps", 0)) for sd in states]
         root = steps.index(max(steps))
@@ -189,16 +189,17 @@ class LocalSGD(_NoSharedState):
         """Gradient exchange for the coming step: on during warm-up (DistributedOptimizer only);
         under Horovod elastic off until the counters are agreed in this world."""
         if self.distributed:
-            pending = getattr(self, "_elastic", False) and (self._config_pending or not self._agreed)
+            w = getattr(self, "_world", None)
+            pending = w is not None and w.elastic and (w.check_due or w.agree_due)
             self.optimizer.set_gradient_exchange(self.in_warmup() and not pending)
 
     def _due(self) -> bool:
         return self.since_sync >= self.period
 
     def step(self, loss=None, closure=None):
-        if self._elastic:
+        if self._world.elastic:
             self._enter_world()
-        elif not self._agreed:
+        elif self._world.agree_due:
             self._agree()
         warm = self.in_warmup()
         out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
@@ -238,9 +239,9 @@ class LocalSGD(_NoSharedState):
 
     def finish(self) -> None:
         """Average what is left since the last sync so every rank ends with the same model."""
-        if self._elastic:
+        if self._world.elastic:
             self._enter_world()
-        elif not self._agreed:
+        elif self._world.agree_due:
             self._agree()
         if self.since_sync > 0:
             nbytes, wait = self._average()
@@ -277,7 +278,7 @@ class EverySync(_NoSharedState):
 
     def __init__(self, optimizer, model, **extra):
         check_optimizer_model("EverySync", optimizer, model)
-        resolve("EverySync", self.declared, extra)
+        resolve_options("EverySync", self.declared, extra)
         self.optimizer = optimizer
         self.model = model
         self.stats = stats_for(optimizer)

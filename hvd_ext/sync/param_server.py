@@ -19,38 +19,17 @@ once. Under the Gloo controller there is no MPI world and the constructor raises
 RuntimeError with the fix. Needs MPI_THREAD_MULTIPLE (mpi4py's and Horovod's
 default) because Horovod's background thread also calls MPI.
 
-Passive-target progress -- measured on this machine (OpenMPI 4.1.4, 2 ranks on
-one node, 2 CPU cores; rank 0 computes 3 s without MPI calls while rank 1 does
-Lock/Accumulate/Get/Unlock on rank 0's window):
-
-=====================================  ================================
-osc component / setting                latency of rank 1's op
-=====================================  ================================
-default selection (osc sm / rdma+vader)  0.2 ms   (true one-sided, shared memory)
-``--mca osc rdma`` (btl vader)           0.2 ms
-``--mca osc ucx``, nothing else          2.9 s - 13.6 s (waits until the target
-                                         enters MPI: no asynchronous progress)
-``--mca osc ucx`` + progress thread      0.68 s under full CPU load (an Iprobe
-                                         loop every 0.5 ms on a dup'd comm)
-``--mca osc ucx`` + Horovod initialised   72 ms (Horovod's background thread
-                                         calls MPI every cycle and drives it)
-``--mca osc pt2pt``                      the probe job fails to run in this
-                                         build (cause not investigated)
-=====================================  ================================
-
-So on one node with shared memory OpenMPI needs nothing; across nodes (osc ucx /
-rdma over a network), or on one node with the shared-memory transport switched
-off (``--mca btl tcp,self``, as the shaped-network benchmarks do), the target
-must be driven. Measured with the main job (MNIST-1D, 2 ranks, ``--sync event``,
-``mpirun --mca btl tcp,self``): without a progress thread 86.2% test accuracy
-after 8 epochs (pushes wait for the target, updates arrive stale); with it 95.4%
-(97.0% on the default shared-memory path). Implemented: ``progress="auto"``
+Passive-target progress (OpenMPI). On one node with shared memory (osc sm, or rdma over
+the vader BTL) an operation on another rank's window is truly one-sided. Without it (osc ucx,
+rdma over a network, or ``--mca btl tcp,self`` as the shaped-network benchmarks use) there is no
+asynchronous progress: the operation waits until the target enters MPI, so pushes wait and
+updates arrive stale. Horovod's background thread, which calls MPI every cycle, drives it, and so
+does a progress thread. Implemented: ``progress="auto"``
 (default) starts a daemon progress thread (``Iprobe`` on a private dup of
 ``comm`` every ``progress_interval`` s) unless all ranks share one node *and*
 the shared-memory BTL is enabled (``shared_memory_rma``); ``"thread"`` forces
 it, ``"none"`` disables it.
-Dedicated server ranks (``--servers K``) were not needed by the measurement and
-are not implemented: every rank is a worker and a server shard.
+There are no dedicated server ranks: every rank is a worker and a server shard.
 """
 from __future__ import annotations
 

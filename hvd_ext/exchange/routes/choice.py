@@ -19,11 +19,6 @@ from ..probe import node_links_setting
 from ..transport import NodeGroupsUnavailable
 from .base import NODE_PREFIX
 
-# Linear codecs whose payload can be cut into shards elementwise (PowerSGD's factors cannot).
-SHARDABLE_LINEAR = ("none", "fp16", "bf16")
-# Feedbacks whose memory the node-aware exchange reproduces at node level (residual error feedback);
-# momentum masking (dgc_momentum) and prediction sharing (ewma) need each rank's own sent mask.
-NODE_FEEDBACKS = ("none", "residual")
 _warned = set()
 
 
@@ -50,11 +45,11 @@ def node_aware_reason(comp: Compressor, exchange: Optional[Exchange]) -> Optiona
     topo = exchange.topology() if exchange is not None else None
     if topo is None or not topo.multi_node:
         return "one node, one rank per node, or nodes of different sizes"
-    if comp.exchange == "allreduce" and comp.name not in SHARDABLE_LINEAR:
+    if comp.exchange == "allreduce" and not comp.shardable:
         return f"'{comp.name}' payloads cannot be cut into shards"
-    fb = getattr(getattr(comp, "feedback", None), "name", "none")
-    if fb not in NODE_FEEDBACKS:
-        return f"feedback '{fb}' needs every rank's own sent mask"
+    fb = comp.feedback
+    if fb is not None and not fb.node_level:
+        return f"feedback '{fb.name}' needs every rank's own sent mask"
     return None
 
 
@@ -111,7 +106,7 @@ def route_options(comp: Compressor, mode: str, numel: int, size: int,
     else:
         cands = ("allgather", "twophase")
     payload = estimated_payload_bytes(comp, numel) if comp.exchange != "allreduce" else \
-        numel * (2.0 if comp.name in ("fp16", "bf16") else 4.0)
+        numel * float(comp.wire_dtype.itemsize if comp.wire_dtype is not None else 4)
     pick = cost.choose_hierarchy(cands, cands, numel, payload, M, L, model)
     inner = pick["inner"]
     if inner == "twophase":
