@@ -19,7 +19,7 @@ where it runs. One decision (:meth:`AutoTuner.evaluate`) is measure -> predict -
   within ``slack`` of the fastest's share of the predicted step. A change needs ``margin`` over the
   current choice (hysteresis against measurement noise).
 * **agree** -- rank 0's choice is broadcast, so every rank uses the same codec for every bucket.
-  When the model cannot separate candidates (predicted within ``_CONTEND`` x of the fastest), each
+  When the model cannot separate candidates (predicted within ``CONTEND`` x of the fastest), each
   contender runs ``trial`` exchanges in two interleaved rounds and the measured step periods decide
   (successive halving cuts the slow ones early: Jamieson and Talwalkar 2016).
 
@@ -63,6 +63,7 @@ from .exchange.probe import best_time
 from .exchange.routes import TensorRecord, choose_route, flat_record
 from .ops.device import Timer
 from .options import Option, resolve_options
+from .policy import CONTEND, SETTLE, Policy, median, ranks_mean
 from .variance_freeze import adaptive_kind
 
 DEFAULT_CANDIDATES = ("none", "fp16", "qsgd:bits=8", "topk:ratio=0.03")
@@ -70,10 +71,8 @@ _PROBE_SMALL = 256                 # floats
 _PROBE_LARGE = 256 * 1024          # floats (1 MB)
 _PROBE_ENOUGH = 10.0  # one large probe suffices once it takes this x the small one (bandwidth-bound)
 _COLLECTIVES = {"allreduce": 1, "allgather": 1, "twophase": 2, "sparse_rs": 2}
-_CONTEND = 3.0   # a candidate predicted within this factor of the fastest is tried before the choice
 _CUT = 1.3      # a trial contender this x (1 + slack) slower than the shortest so far stops early
 _ROUNDS = 2     # a trial's contenders take turns in this many rounds (ABC CBA)
-_SETTLE = 2      # periods right after a switch (new buffers, first calls) left out of a trial's median
 
 AUTO_OPTIONS = {
     **VARIANCE_OPTIONS,
@@ -235,8 +234,11 @@ class Trial:
         return list(reversed([ci for ci in self.order if ci not in self.cut]))
 
 
-class AutoTuner:
-    """Per-pipeline decisions of :class:`AutoCompression` (see the module docstring)."""
+class AutoTuner(Policy):
+    """Per-pipeline decisions of :class:`AutoCompression` (see the module docstring): the policy
+    (:mod:`hvd_ext.policy`) that picks each bucket's codec."""
+
+    key = "auto"
 
     def __init__(self, auto: AutoCompression, pipeline):
         self.auto = auto
@@ -285,7 +287,8 @@ class AutoTuner:
             self._periods.append(now - self._last_end)
         self._last_end = now
 
-    def after_step(self) -> None:
+    def after_step(self, exchange_s: float) -> None:
+        self.exchange_time(exchange_s)
         step, a = self.pipe.step, self.auto
         if self.guard is not None and self.guard.ratio is None and self.guard.kept():
             self.guard.measure(self.pipe.buckets, self._roundtrip)
@@ -293,9 +296,9 @@ class AutoTuner:
             return
         if self._trial is not None:
             t, ran = self._trial, step - self._trial.start
-            if ran >= _SETTLE + t.window:
+            if ran >= SETTLE + t.window:
                 self._trial_window_done()
-            elif ran == _SETTLE + max(3, a.trial // 4) and t.round == 0 and t.first:
+            elif ran == SETTLE + max(3, a.trial // 4) and t.round == 0 and t.first:
                 self._trial_window_done(early=True)
             return
         if self.last_eval is None or step - self.last_eval >= a.every:
@@ -345,9 +348,7 @@ class AutoTuner:
     # ---- measuring -----------------------------------------------------------------------
     def _allreduce(self, values: torch.Tensor, name: str) -> torch.Tensor:
         """Mean over the ranks (one allreduce)."""
-        out = values.detach().clone()
-        self.pipe.exchange.allreduce_average([out], name)
-        return out
+        return ranks_mean(self.pipe.exchange, values, name)
 
     def _probe_link(self) -> Dict[str, float]:
         N = self.pipe.size
@@ -404,9 +405,7 @@ class AutoTuner:
                            f"\x00trial{b.index}")
         if flat is not None:
             us, infos = [flat.u], [flat.info]
-        prepare = getattr(c, "prepare_bucket", None)
-        if prepare is not None:
-            prepare(list(zip(us, infos)))
+        c.prepare_bucket(list(zip(us, infos)))
         pays = [c.compress(u, info) for u, info in zip(us, infos)]
         timer.mark()
         nbytes, outs = 0, []
@@ -474,8 +473,8 @@ class AutoTuner:
         periods, meas = self._periods[-50:], self._measured[-50:]
         # Medians: a pause between two steps (evaluation, a checkpoint, other work in the loop) must not
         # read as compute, or every exchange would look cheap next to the step.
-        compute = (_median(periods) - _median(meas)) if periods and meas else 0.0
-        ran = _median(meas) if meas else 0.0  # median exchange time of the codecs chosen until now
+        compute = (median(periods) - median(meas)) if periods and meas else 0.0
+        ran = median(meas) if meas else 0.0  # median exchange time of the codecs chosen until now
         guard = self.guard is not None and self.guard.ratio is None
         qs = self.guard.local_ratios(len(pipe.buckets)) if guard else []
         local = torch.tensor([probe["lat"], probe["large"], max(compute, 0.0), ran] + rows + qs, dtype=torch.float64)
@@ -501,7 +500,7 @@ class AutoTuner:
                 # the route by the cost model with this job's measured link and codec speed (across
                 # nodes: the node links the exchange measured once, Exchange.node_model)
                 link = cost.LinkModel(alpha=m.lat, bandwidth=m.bw, codec=numel / max(enc + dec, 1e-9))
-                kind = choose_route(c, getattr(c, "route", "auto"), numel, pipe.size, link=link,
+                kind = choose_route(c, c.route, numel, pipe.size, link=link,
                                     exchange=pipe.exchange, codec=link.codec, device=b.params[0].device)
                 kinds.append(kind)
                 times.append(self.predict(kind, numel, nbytes, enc, dec))
@@ -603,13 +602,13 @@ class AutoTuner:
 
     # ---- measuring the contenders the model cannot separate ------------------------------
     def _contenders(self, forecasts: List[Forecast], choice: List[int]) -> List[Contender]:
-        """Configurations worth measuring: for each candidate c predicted within ``_CONTEND`` x the
+        """Configurations worth measuring: for each candidate c predicted within ``CONTEND`` x the
         fastest on some bucket, c on those buckets and the model's choice elsewhere; most accurate
         first. The model's errors on a busy machine reach 2-3x, so auto measures the step period of
         each contender (Horovod's autotuner, too, measures configurations rather than predicting them)."""
         out, seen = [], set()
         for c in range(len(self.auto.candidates)):
-            cfg = [c if f.times[c] <= _CONTEND * f.times[f.fastest] else None for f in forecasts]
+            cfg = [c if f.times[c] <= CONTEND * f.times[f.fastest] else None for f in forecasts]
             if all(x is None for x in cfg):
                 continue
             fill = [x if x is not None else model for x, model in zip(cfg, choice)]
@@ -623,7 +622,7 @@ class AutoTuner:
 
     def _trial_window_done(self, early: bool = False) -> None:
         """One contender's window is over: its step periods and exchange times are kept (after the
-        ``_SETTLE`` periods of the switch), then the next contender runs. The contenders take turns in
+        ``SETTLE`` periods of the switch), then the next contender runs. The contenders take turns in
         ``_ROUNDS`` (2) rounds of ``trial / 2`` exchanges, the second round in reverse order (ABC CBA:
         a machine's speed drifts between blocks of steps, and interleaving spreads a drift over every
         contender). After the last
@@ -637,10 +636,10 @@ class AutoTuner:
         t, pipe = self._trial, self.pipe
         order = t.round_order()
         ci = order[t.i]
-        periods = self._periods[_SETTLE:] or self._periods
-        meas = self._measured[_SETTLE:] or self._measured
+        periods = self._periods[SETTLE:] or self._periods
+        meas = self._measured[SETTLE:] or self._measured
         if t.round == 0:  # the ranks' mean of this window, for the early cut
-            got = self._allreduce(torch.tensor([_median(periods) if periods else 0.0, _median(meas) if meas else 0.0]),
+            got = self._allreduce(torch.tensor([median(periods) if periods else 0.0, median(meas) if meas else 0.0]),
                                   f"hvd_ext.auto.trial.{pipe.step}")
             if early:
                 if float(got[0]) <= _CUT * (1 + self.auto.slack) * min(t.first.values()):
@@ -668,8 +667,8 @@ class AutoTuner:
         alive = [ci for ci in t.order if ci not in t.cut]
         mine = []
         for ci in alive:
-            mine += [_median(t.periods[ci]) if t.periods[ci] else 0.0,
-                     _median(t.exchange[ci]) if t.exchange[ci] else 0.0]
+            mine += [median(t.periods[ci]) if t.periods[ci] else 0.0,
+                     median(t.exchange[ci]) if t.exchange[ci] else 0.0]
         got = self._allreduce(torch.tensor(mine), f"hvd_ext.auto.trial.decide.{pipe.step}")
         period = {ci: float(got[2 * k]) for k, ci in enumerate(alive)}
         exchange = {ci: float(got[2 * k + 1]) for k, ci in enumerate(alive)}
@@ -722,7 +721,7 @@ class AutoTuner:
         return [self.calib.get(ci, prior) for ci in range(len(self.auto.candidates))]
 
     def _check_drift(self) -> None:
-        mine = _median(self._measured)  # as the trials measure: one slow exchange (a pause) is not drift
+        mine = median(self._measured)  # as the trials measure: one slow exchange (a pause) is not drift
         got = float(self._allreduce(torch.tensor([mine]), f"hvd_ext.auto.check.{self.pipe.step}")[0])
         pred = max(self.predicted_s or 0.0, 1e-3)
         if got > 2.0 * pred + 1e-3 or got < 0.5 * pred - 1e-3:
@@ -773,5 +772,3 @@ class AutoTuner:
         self._released = {}
 
 
-def _median(xs: List[float]) -> float:
-    return sorted(xs)[len(xs) // 2]

@@ -135,6 +135,7 @@ class _LocalOnly:
     step = 0
 
     routes: list = []
+    policies: list = []
 
     def finish(self) -> bool:
         return False
@@ -381,12 +382,9 @@ class _DistributedMixin:
         extra["wire_by_link"] = dict(getattr(ex, "wire_by_link", {}) or {})
         if getattr(self._exchange, "node_links", None):  # multi-node: the links the routes were chosen for
             extra["node_links"] = self._exchange.node_links
-        trial = getattr(self._pipeline, "route_trial", None)
-        if trial is not None:  # hierarchy=auto: flat against node-aware, measured
-            extra["route_trial"] = trial.report()
-        auto = getattr(self._pipeline, "auto", None)
-        if auto is not None:  # compression="auto": its choice, link and predicted vs measured times
-            extra["auto"] = auto.report()
+        for policy in self._pipeline.policies:  # what auto and the route trial decided, measured
+            if policy.key:
+                extra[policy.key] = policy.report()
 
     @contextmanager
     def skip_synchronize(self):

@@ -33,13 +33,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .compression.base import Compressor, TensorInfo
-from .compression.none import NoneCompressor
 from .exchange import Exchange
 from .auto import AutoCompression, AutoTuner
 from .exchange.routes import OwnerMemory, Route, TensorRecord, choose_route, flat_record, make_route, split_flat
 from .feedback.base import Feedback, NoFeedback
 from .ops.device import Checks, deferred_checks, nonfinite as nonfinite_flag, on_host, read_step
 from .overlap import CodeWorker
+from .policy import DenseWarmup, Policy
 from .route_trial import RouteTrial
 
 
@@ -108,13 +108,12 @@ class GradientPipeline:
         if is_auto and exchange.op_name == "adasum":
             raise ValueError("compression='auto' needs op=Average or Sum (Adasum is not linear across codecs); "
                              "pick a fixed compression with Adasum")
-        # Dense warm-up (hvd_ext.variance_freeze): the first ``dense_steps`` exchanges send the exact
-        # average, without feedback; then every bucket switches to the codec (same step on every rank).
+        # The policies (hvd_ext.policy) decide, between steps, each bucket's codec and route.
         self.dense_steps = int(dense_steps)
-        self._warm = NoneCompressor() if self.dense_steps > 0 and not is_auto else None
+        self.warmup: Optional[DenseWarmup] = DenseWarmup(self, dense_steps) if dense_steps > 0 and not is_auto else None
         first = compressor.candidates[AutoTuner.dense_index(compressor)] if is_auto else compressor
-        if self._warm is not None:  # step 0: inside the warm-up
-            first = self._warm
+        if self.warmup is not None:  # step 0: inside the warm-up
+            first = self.warmup.codec
         for bi, idxs in enumerate(plan_buckets(named_params, bucket_bytes, min(bucket_bytes, FIRST_BUCKET_BYTES))):
             params = [named_params[i][1] for i in idxs]
             b = _Bucket(bi, [named_params[i][0] for i in idxs], params, None, first)
@@ -125,6 +124,7 @@ class GradientPipeline:
         self.auto: Optional[AutoTuner] = AutoTuner(compressor, self) if is_auto else None
         # hierarchy=auto on a multi-node job: flat against node-aware, measured (hvd_ext.route_trial)
         self.route_trial: Optional[RouteTrial] = RouteTrial.plan(self)
+        self.policies: List[Policy] = [p for p in (self.warmup, self.auto, self.route_trial) if p is not None]
         self._step_code_s = 0.0
         self._checks = Checks()  # device-side checks of the step in progress (read by finish)
         self.overlap = bool(overlap)
@@ -136,12 +136,17 @@ class GradientPipeline:
         """Take the step counter of another rank (the resume recipe, a joining elastic worker): the
         buckets' codec follows it (dense warm-up or not), so every rank makes the same collectives."""
         self.step = int(step)
-        if self._warm is not None:
-            self._end_warmup()
+        if self.warmup is not None:
+            self.follow_step()
 
-    def _end_warmup(self) -> None:
-        """Past the dense warm-up: every bucket takes the codec (or keeps the warm-up's dense route)."""
-        want = self._warm if self.step < self.dense_steps else self.compressor
+    @property
+    def route_mode(self) -> Optional[str]:
+        """The route every bucket is held to (a test harness's), else None: the codec's ``exchange=``."""
+        return self._mode
+
+    def follow_step(self) -> None:
+        """Every bucket takes the codec the dense warm-up calls for at this step (the codec once past it)."""
+        want = self.warmup.codec_now(self.compressor)
         for b in self.buckets:
             if b.comp is not want:
                 self.set_bucket_compressor(b, want)
@@ -150,7 +155,7 @@ class GradientPipeline:
 
     def _make_route(self, b: _Bucket, comp: Compressor) -> Route:
         """The route of bucket ``b`` under codec ``comp`` (same inputs on every rank, same route)."""
-        mode = self._mode if self._mode is not None else getattr(comp, "route", "auto")
+        mode = self._mode if self._mode is not None else comp.route
         kind = choose_route(comp, mode, sum(p.numel() for p in b.params), self.size, exchange=self.exchange,
                             device=b.params[0].device)
         return make_route(kind, comp, self.exchange, f"b{b.index}", self.owner_memory)
@@ -245,7 +250,7 @@ class GradientPipeline:
                               param=p.detach(), scale=scale)
             if self.auto is not None:
                 g = self.auto.release(name, g)  # a share of what an earlier codec left (see AutoTuner)
-            u = g if comp is self._warm else fb.compensate(name, g if dense_codec else g.float(), info)
+            u = g if self._is_warm(comp) else fb.compensate(name, g if dense_codec else g.float(), info)
             if local_flag:
                 flags.append(u)
             records.append(TensorRecord(name, p, info, u))
@@ -291,13 +296,9 @@ class GradientPipeline:
             else:
                 part.commit()
         self.step += 1
-        if self._warm is not None and self.step == self.dense_steps:
-            self._end_warmup()
-        if self.auto is not None:
-            self.auto.exchange_time(time.perf_counter() - t_start + self._step_code_s)
-            self.auto.after_step()
-        if self.route_trial is not None:
-            self.route_trial.after_step()
+        exchange_s = time.perf_counter() - t_start + self._step_code_s
+        for policy in self.policies:
+            policy.after_step(exchange_s)
         self._step_code_s = 0.0
         return nonfinite
 
@@ -312,7 +313,7 @@ class GradientPipeline:
         # auto choosing a codec that runs without error feedback when fixed (none, fp16, bf16: lossless;
         # qsgd: unbiased) runs it as fixed: memory cleared, no per-step residual to keep.
         lossless = use_fb and self.auto is not None and not self.compressor.uses_memory(b.comp)
-        warm = b.comp is self._warm
+        warm = self._is_warm(b.comp)
         records, sents = b.route.records, None
         if b.parts is not None:  # one flat record: split the result back into the bucket's tensors
             records = b.parts
@@ -339,7 +340,10 @@ class GradientPipeline:
 
     def _participants(self) -> list:
         """What keeps staged per-step state: committed on a finite step, discarded otherwise."""
-        return [p for p in (self.feedback, self.compressor, self.owner_memory, self.auto) if p is not None]
+        return [self.feedback, self.compressor, self.owner_memory] + self.policies
+
+    def _is_warm(self, comp: Compressor) -> bool:
+        return self.warmup is not None and comp is self.warmup.codec
 
     def _drop_step(self) -> None:
         """A check failed (a corrupt payload, ranks that disagree): nothing of this step is kept."""
@@ -373,17 +377,15 @@ class GradientPipeline:
         return {"step": self.step, "feedback": self.feedback.state_dict(),
                 "compressor": self.compressor.state_dict(), "owner": self.owner_memory.state_dict(),
                 "routes": self.routes, "spec": self.compressor.spec(),
-                "auto": self.auto.state_dict() if self.auto is not None else None,
-                "route_trial": self.route_trial.state_dict() if self.route_trial is not None else None}
+                **{p.key: p.state_dict() for p in self.policies if p.key}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.set_step(int(state.get("step", 0)))
         self.feedback.load_state_dict(state.get("feedback", {}))
         self.compressor.load_state_dict(state.get("compressor", {}))
-        if self.auto is not None:
-            self.auto.load_state_dict(state.get("auto") or {})
-        if self.route_trial is not None:
-            self.route_trial.load_state_dict(state.get("route_trial") or {})
+        for p in self.policies:
+            if p.key:
+                p.load_state_dict(state.get(p.key) or {})
         # Owner memories belong to this world's layout; a checkpoint from another layout drops them.
         if list(state.get("routes", self.routes)) == self.routes:
             self.owner_memory.load_state_dict(state.get("owner", {}))

@@ -9,10 +9,10 @@ and identical runs differ by more than its margins (``compare_nodes_repeat`` in
 benchmarks/RESULTS.md). So, as ``compression="auto"``
 does for codecs (and Horovod's autotuner for its fusion settings), the choice is measured
 where the model cannot separate the two: when the predicted step exchange of one is within
-``_CONTEND`` (3x) of the other, after the dense warm-up
+``CONTEND`` (3x, :mod:`hvd_ext.policy`) of the other, after the dense warm-up
 
 1. the model's pick (all buckets flat, or all node-aware) runs ``hierarchy_trial`` exchanges
-   (default 20) after ``_SETTLE`` (2) that are left out, then the other one does;
+   (default 20) after ``SETTLE`` (2) that are left out, then the other one does;
 2. each rank's median step period per configuration is averaged over the ranks (one small
    allreduce), so every rank sees the same two numbers and takes the same decision;
 3. the other configuration is kept only if it is ``_MARGIN`` (5%) faster than the model's pick.
@@ -25,23 +25,22 @@ node-aware.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any, Dict, List, Optional
 
 import torch
 
-# The model's error factor and the settle periods are auto's (the same model, the same machine):
-# the two configurations are measured when predicted within _CONTEND of each other, and the first
-# _SETTLE periods after a switch are left out of the median.
-from .auto import _CONTEND, _SETTLE
 from .exchange.routes import route_options
+from .policy import CONTEND, SETTLE, Policy, median, ranks_mean
 
 _MARGIN = 0.05   # the configuration the model did not pick must be this much faster to be kept
 
 
-class RouteTrial:
-    """Flat against node-aware, measured once per pipeline (see the module docstring)."""
+class RouteTrial(Policy):
+    """Flat against node-aware, measured once per pipeline (see the module docstring): the policy
+    (:mod:`hvd_ext.policy`) that picks the buckets' routes."""
+
+    key = "route_trial"
 
     def __init__(self, pipe, steps: int, plans: Dict[str, List[str]], predicted: Dict[str, float]):
         self.pipe = pipe
@@ -59,13 +58,13 @@ class RouteTrial:
     @classmethod
     def plan(cls, pipe) -> Optional["RouteTrial"]:
         """A trial when the codec allows both exchanges and the model's predictions for the
-        whole step are within ``_CONTEND`` of each other; else None (the model's routes stay)."""
+        whole step are within ``CONTEND`` of each other; else None (the model's routes stay)."""
 
         comp = pipe.compressor
-        steps = int(getattr(comp, "hierarchy_trial", 0) or 0)
-        if steps <= 0 or pipe.auto is not None or getattr(comp, "hierarchy", "auto") != "auto":
+        steps = int(comp.hierarchy_trial or 0)
+        if steps <= 0 or pipe.auto is not None or comp.hierarchy != "auto":
             return None
-        mode = pipe._mode if pipe._mode is not None else getattr(comp, "route", "auto")
+        mode = pipe.route_mode if pipe.route_mode is not None else comp.route
         plans: Dict[str, List[str]] = {"flat": [], "node": []}
         predicted = {"flat": 0.0, "node": 0.0}
         for b in pipe.buckets:
@@ -78,7 +77,7 @@ class RouteTrial:
             predicted["flat"] += opts["flat_s"]
             predicted["node"] += opts["node_s"]
         lo, hi = sorted(predicted.values())
-        if hi > _CONTEND * lo:
+        if hi > CONTEND * lo:
             return None
         return cls(pipe, steps, plans, predicted)
 
@@ -92,7 +91,7 @@ class RouteTrial:
             if b.route.name != kind:
                 self.pipe.set_bucket_compressor(b, b.comp, kind)
 
-    def after_step(self) -> None:
+    def after_step(self, exchange_s: float) -> None:
         """Called by the pipeline after every exchange (same step on every rank)."""
         pipe = self.pipe
         if self.done or pipe.step < pipe.dense_steps:
@@ -105,10 +104,10 @@ class RouteTrial:
             return
         self._periods.append(now - self._last)
         self._last = now
-        if len(self._periods) < _SETTLE + self.steps:
+        if len(self._periods) < SETTLE + self.steps:
             return
-        out = torch.tensor([statistics.median(self._periods[_SETTLE:])], dtype=torch.float32)
-        pipe.exchange.allreduce_average([out], f"hvd_ext.route_trial.{pipe.step}")
+        out = ranks_mean(pipe.exchange, torch.tensor([median(self._periods[SETTLE:])], dtype=torch.float32),
+                         f"hvd_ext.route_trial.{pipe.step}")
         self.measured[self.order[self._i]] = float(out[0])
         self._periods = []
         self._i += 1

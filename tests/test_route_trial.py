@@ -9,7 +9,7 @@ import torch
 
 from hvd_ext.exchange import cost
 from hvd_ext.testing.harness import run_pipeline
-from hvd_ext.route_trial import _SETTLE
+from hvd_ext.policy import SETTLE as _SETTLE
 from simgrads import make_grads
 
 # links that leave flat and node-aware within the trial's 3x: the inter-node link only 4x slower

@@ -133,6 +133,13 @@ class Compressor:
     # inside a node needs it (PowerSGD's factors cannot be cut).
     wire_dtype: ClassVar[Optional[torch.dtype]] = None
     shardable: ClassVar[bool] = False
+    # True when the codec sends one payload per bucket rather than per tensor (topk scope=model, sig: a
+    # budget spanning tensors) on the routes that carry whole payloads (allgather, sparse_rs).
+    bucket_flat: ClassVar[bool] = False
+    # Options every registered codec takes (``register`` adds them to ``options``); these class values
+    # hold for a codec built otherwise (a Horovod-style codec the optimizer wraps).
+    hierarchy: ClassVar[str] = "auto"
+    hierarchy_trial: ClassVar[int] = 0
     # True when decode(encode(g)) == g up to float rounding (none, fp16, bf16): no error feedback, and an
     # adaptive optimizer's second moment is left live (hvd_ext.variance_freeze).
     lossless: ClassVar[bool] = False
@@ -165,6 +172,10 @@ class Compressor:
         bind = getattr(self.feedback, "bind_optimizer", None)
         if bind is not None:
             bind(optimizer)
+
+    def prepare_bucket(self, items: List[Tuple[torch.Tensor, "TensorInfo"]]) -> None:
+        """Before the tensors of one bucket are compressed together: plan what spans them (a budget
+        across tensors) with at most one device read for them all. Default: nothing."""
 
     # ---- codec -------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, info: TensorInfo) -> Tuple[torch.Tensor, Any]:

@@ -38,7 +38,7 @@ def flat_record(comp: Compressor, route: str, records: List[TensorRecord], name:
     instead of one per tensor, of a size every rank knows. Its ``TensorInfo.segments`` name the tensors;
     the feedback keeps working per tensor on :func:`split_flat` of the results. None when the records
     go as they are."""
-    if not records or not getattr(comp, "bucket_flat", False) or route not in ("allgather", "sparse_rs"):
+    if not records or not comp.bucket_flat or route not in ("allgather", "sparse_rs"):
         return None
     u = torch.cat([r.u.reshape(-1).float() for r in records])
     i0 = records[0].info
@@ -117,9 +117,8 @@ class Route:
     def prepare(self, records: List[TensorRecord]) -> None:
         """The codec's plan for the records it is about to compress together (``prepare_bucket``: budgets
         spanning tensors -- topk scope=model, sig, qdist's budget -- and one device read for them all)."""
-        prepare = getattr(self.comp, "prepare_bucket", None)
-        if prepare is not None and records:
-            prepare([(r.u, r.info) for r in records])
+        if records:
+            self.comp.prepare_bucket([(r.u, r.info) for r in records])
 
     def compress_records(self, records: List[TensorRecord]) -> None:
         self.prepare(records)

@@ -38,7 +38,7 @@ def estimated_payload_bytes(comp: Compressor, numel: int) -> float:
 def node_aware_reason(comp: Compressor, exchange: Optional[Exchange]) -> Optional[str]:
     """None when the node-aware exchange can carry this compressor over ``exchange``'s nodes;
     else why not (the same on every rank)."""
-    if getattr(comp, "hierarchy", "auto") == "flat":
+    if comp.hierarchy == "flat":
         return "hierarchy=flat"
     if os.environ.get("HOROVOD_ELASTIC", "0").strip() not in ("", "0"):
         return "elastic job: the node layout can change, and no collective may run at construction"
@@ -77,7 +77,7 @@ def route_options(comp: Compressor, mode: str, numel: int, size: int,
     None, and the times are None, when only the flat route is possible). Same on every rank."""
     flat = _choose_flat(comp, mode, numel, size, link)
     only_flat = {"flat": flat, "flat_s": None, "node": None, "node_s": None}
-    hier = getattr(comp, "hierarchy", "auto")
+    hier = comp.hierarchy
     if hier not in HIERARCHY_CHOICES:
         raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY_CHOICES)}, got {hier!r}")
     if exchange is None or node_aware_reason(comp, exchange) is not None:
