@@ -64,7 +64,7 @@ def one_round(comp, grad, step, device):
         i.scale = 0.5
     t0 = time.perf_counter()
     payload, ctx = comp.compress(grad, infos[0])
-    if comp.exchange == "allgather":
+    if comp.collective == "allgather":
         other = payload  # the second rank's payload: same size, decoding cost is what matters
         out = comp.aggregate([payload, other], ctx, infos[0])
     else:

@@ -102,7 +102,7 @@ class AutoCompression(Compressor):
     :class:`AutoTuner`, one per gradient pipeline."""
 
     name = "auto"
-    exchange = "allreduce"
+    collective = "allreduce"
     options = AUTO_OPTIONS
     default_feedback = "residual"
 
@@ -222,7 +222,7 @@ class Trial:
     round: int = 0
     i: int = 0                       # position in the current round's order
     periods: Dict[int, List[float]] = field(default_factory=dict)
-    exchange: Dict[int, List[float]] = field(default_factory=dict)
+    exchange_s: Dict[int, List[float]] = field(default_factory=dict)
     first: Dict[int, float] = field(default_factory=dict)  # first-round median period (ranks' mean)
     cut: List[int] = field(default_factory=list)           # contenders stopped early
 
@@ -383,7 +383,7 @@ class AutoTuner(Policy):
                 "bytes": tries[-1]["bytes"]}
 
     def _time_codec_once(self, c: Compressor, b, grads: List[torch.Tensor]) -> Dict[str, float]:
-        _, enc, dec, nbytes = self._code(c, b, [g if c.exchange == "allreduce" else g.float() for g in grads])
+        _, enc, dec, nbytes = self._code(c, b, [g if c.collective == "allreduce" else g.float() for g in grads])
         return {"enc": enc, "dec": dec, "bytes": nbytes}
 
     def _roundtrip(self, c: Compressor, b, us: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -411,7 +411,7 @@ class AutoTuner(Policy):
         nbytes, outs = 0, []
         for (payload, ctx), info in zip(pays, infos):
             nbytes += payload.numel() * payload.element_size()
-            if c.exchange == "allreduce":
+            if c.collective == "allreduce":
                 out = c.decompress(payload, ctx, info)
                 if isinstance(out, Continue):  # multi-round: count the next round's payload too
                     nbytes += out.payload.numel() * out.payload.element_size()
@@ -648,7 +648,7 @@ class AutoTuner(Policy):
                 self._calibrate(float(got[1]), [t.contenders[ci].predicted], ran=t.contenders[ci].choice)
             t.first[ci] = float(got[0])
         t.periods.setdefault(ci, []).extend(periods)
-        t.exchange.setdefault(ci, []).extend(meas)
+        t.exchange_s.setdefault(ci, []).extend(meas)
         self._measured, self._periods = [], []
         t.i += 1
         if t.i >= len(order) and t.round + 1 < _ROUNDS and len(t.order) - len(t.cut) > 1:
@@ -668,7 +668,7 @@ class AutoTuner(Policy):
         mine = []
         for ci in alive:
             mine += [median(t.periods[ci]) if t.periods[ci] else 0.0,
-                     median(t.exchange[ci]) if t.exchange[ci] else 0.0]
+                     median(t.exchange_s[ci]) if t.exchange_s[ci] else 0.0]
         got = self._allreduce(torch.tensor(mine), f"hvd_ext.auto.trial.decide.{pipe.step}")
         period = {ci: float(got[2 * k]) for k, ci in enumerate(alive)}
         exchange = {ci: float(got[2 * k + 1]) for k, ci in enumerate(alive)}

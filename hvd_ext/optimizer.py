@@ -59,7 +59,7 @@ class HorovodCodecAdapter(Compressor):
     as a linear allreduce codec, so custom ``hvd.Compression`` classes keep working."""
 
     name = "horovod"
-    exchange = "allreduce"
+    collective = "allreduce"
     lossless = True  # Horovod's codecs (none, fp16) cast; a custom one is taken as such too
 
     def __init__(self, codec):
@@ -558,11 +558,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                                                  gradient_predivide_factor, bucket_bytes, overlap, num_groups, groups)
     compressor = resolve_compression(compression)
     bf16 = compressor.wire_dtype == torch.bfloat16
-    if op == hvd.Adasum and (compressor.exchange != "allreduce" or bf16):
+    if op == hvd.Adasum and (compressor.collective != "allreduce" or bf16):
         raise ValueError(f"op=hvd.Adasum needs a linear (allreduce) compressor that Horovod can reduce, such as "
                          f"none or fp16; '{compressor.name}' uses "
                          + ("bfloat16, which Horovod has no collective for" if bf16
-                            else compressor.exchange))
+                            else compressor.collective))
     process_set = hvd.global_process_set if process_set is None else process_set
     named = _check_named_parameters(optimizer, named_parameters)
 

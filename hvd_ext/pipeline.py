@@ -98,7 +98,7 @@ class GradientPipeline:
         self.step = 0  # exchanges completed; identical on every rank
         self.compress_s = 0.0
         self.owner_memory = OwnerMemory()
-        self._mode = route
+        self._route_mode = route
         self.rank = exchange.rank
         self.size = exchange.size
         self.buckets: List[_Bucket] = []
@@ -142,7 +142,7 @@ class GradientPipeline:
     @property
     def route_mode(self) -> Optional[str]:
         """The route every bucket is held to (a test harness's), else None: the codec's ``exchange=``."""
-        return self._mode
+        return self._route_mode
 
     def follow_step(self) -> None:
         """Every bucket takes the codec the dense warm-up calls for at this step (the codec once past it)."""
@@ -155,7 +155,7 @@ class GradientPipeline:
 
     def _make_route(self, b: _Bucket, comp: Compressor) -> Route:
         """The route of bucket ``b`` under codec ``comp`` (same inputs on every rank, same route)."""
-        mode = self._mode if self._mode is not None else comp.route
+        mode = self._route_mode if self._route_mode is not None else comp.route
         kind = choose_route(comp, mode, sum(p.numel() for p in b.params), self.size, exchange=self.exchange,
                             device=b.params[0].device)
         return make_route(kind, comp, self.exchange, f"b{b.index}", self.owner_memory)
@@ -174,7 +174,7 @@ class GradientPipeline:
     def _local_flag(self, comp: Compressor) -> bool:
         # The non-finite test of the allreduce route reads the reduced buffer (a NaN/Inf on any rank
         # makes the sum non-finite), so only the other routes need a local test.
-        return comp.exchange != "allreduce" or self.exchange.op_name == "adasum"
+        return comp.collective != "allreduce" or self.exchange.op_name == "adasum"
 
     @property
     def routes(self) -> List[str]:
@@ -237,7 +237,7 @@ class GradientPipeline:
         t0 = time.perf_counter()
         comp, fb = b.comp, self.feedback
         scale = self.exchange.scale()
-        dense_codec = comp.exchange == "allreduce"
+        dense_codec = comp.collective == "allreduce"
         local_flag = self._local_flag(comp)
         records, flags = [], []
         for name, p in zip(b.names, b.params):

@@ -27,7 +27,7 @@ def describe_compressors() -> Dict[str, Dict[str, Any]]:
     out = {}
     for name, cls in sorted(registry().items()):
         out[name] = {
-            "exchange": cls.exchange,
+            "collective": cls.collective,
             "default_feedback": cls.default_feedback,
             "options": {k: (o.default, o.describe()) for k, o in cls.options.items()},
             "doc": (cls.__doc__ or (__import__(cls.__module__, fromlist=["x"]).__doc__ or "")).strip().split("\n")[0],
@@ -59,7 +59,7 @@ def compression_from_spec(spec: str) -> Compressor:
         raise ValueError(f"unknown compressor {name!r} in spec {spec!r}; accepted: {', '.join(sorted(reg))}")
     cls = reg[name]
     route = kv.pop("exchange", "auto").strip().lower()
-    accepted_routes = ("auto",) if cls.exchange == "allreduce" else ROUTE_CHOICES
+    accepted_routes = ("auto",) if cls.collective == "allreduce" else ROUTE_CHOICES
     if route not in accepted_routes:
         raise ValueError(f"bad value {route!r} for 'exchange' in spec {spec!r}: compressor '{name}' accepts "
                          f"{', '.join(accepted_routes)} (allgather: every rank receives every payload; twophase: "
@@ -72,13 +72,13 @@ def compression_from_spec(spec: str) -> Compressor:
     unknown = sorted(set(kv) - set(comp_kw) - set(fb_kw))
     if fb_cls is not None and unknown:
         accepted = (sorted(set(cls.options) | set(fb_options) | {"feedback"})
-                    + (["exchange"] if cls.exchange != "allreduce" else []))
+                    + (["exchange"] if cls.collective != "allreduce" else []))
         raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))} in spec {spec!r} "
                          f"(compressor '{name}', feedback '{fb_name}'); accepted: {', '.join(accepted)}")
     if fb_cls is None:  # names the bad feedback, before its keys are judged
         make_feedback(fb_name, spec=spec)
     comp = cls(**comp_kw)
-    if comp.exchange == "allreduce" and route != "auto":  # randomk:shared=1
+    if comp.collective == "allreduce" and route != "auto":  # randomk:shared=1
         raise ValueError(f"bad value {route!r} for 'exchange' in spec {spec!r}: '{name}' with these options rides "
                          "on allreduce; accepted: auto")
     comp.route = route

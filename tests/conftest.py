@@ -1,4 +1,20 @@
-"""Shared test helpers: launching real multi-rank Horovod jobs with a timeout."""
+"""Shared test helpers: launching real multi-rank Horovod jobs with a timeout; the kernel devices.
+
+Layout of tests/ (``python -m pytest -rs -q tests``):
+
+  unit/       single-process tests, mirroring hvd_ext/: unit/<package path>/test_<module>.py
+              (unit/exchange/routes/test_twophase.py tests hvd_ext/exchange/routes/twophase.py)
+  multirank/  tests that launch several processes (``launch`` / ``run_ranks`` below); the scripts
+              they launch are in multirank/workers/ (each prints RESULT lines that ``launch`` collects)
+  system/     checks of the repository as a whole: layer contracts, scripts, docs, testbed, fuzzing,
+              the sync budget on the emulated GPU
+  helpers/    helpers shared by several test modules, each written once; cuda_cpu/: the CUDA-on-CPU
+              harness
+
+Every folder below tests/ is a package (``__init__.py``), so test modules may share a basename
+(unit/test_variance_freeze.py, multirank/test_variance_freeze.py); tests/ itself is not, so pytest
+puts it on ``sys.path`` and ``conftest``, ``helpers`` and ``cuda_cpu`` import from any depth.
+"""
 from __future__ import annotations
 
 import json
@@ -12,7 +28,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKERS = Path(__file__).resolve().parent / "workers"
+WORKERS = Path(__file__).resolve().parent / "multirank" / "workers"
 
 
 def _env():
@@ -28,7 +44,7 @@ def _env():
 
 
 def launch(script, *args, np=2, launcher="gloo", timeout=180, expect=None):
-    """Run ``script`` (a path, or a name under tests/workers) on ``np`` ranks.
+    """Run ``script`` (a path, or a name under tests/multirank/workers) on ``np`` ranks.
 
     launcher: "gloo" -> horovodrun --gloo, "mpi" -> horovodrun --mpi, "mpirun" -> plain mpirun.
     Returns the list of JSON objects printed by the ranks on lines starting with

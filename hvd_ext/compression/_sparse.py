@@ -307,7 +307,7 @@ class SparseCompressor(Compressor):
     a single host read for every data-dependent size of the bucket (``docs/gpu.md``); ``compress``
     uses the planned selection. Without a plan ``compress`` selects for its own tensor."""
 
-    exchange = "allgather"
+    collective = "allgather"
     default_feedback = "residual"
     fixed_size = False
     sparse = True

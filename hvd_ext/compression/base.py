@@ -3,12 +3,12 @@
 A compressor is pure tensor-in / payload-out code: it never communicates.
 It declares which collective its payload rides on:
 
-* ``exchange = "allreduce"`` -- linear codecs (none, fp16, bf16, PowerSGD factors):
+* ``collective = "allreduce"`` -- linear codecs (none, fp16, bf16, PowerSGD factors):
   ``compress`` returns a 1-D tensor whose elementwise reduction (Horovod
   Average or Sum) is meaningful; ``decompress`` turns the *reduced* payload back
   into a dense tensor, or returns ``Continue(payload, ctx)`` to ask for one more
   allreduce round (PowerSGD's P then Q).
-* ``exchange = "allgather"`` -- non-linear codecs (top-k, quantized codes):
+* ``collective = "allgather"`` -- non-linear codecs (top-k, quantized codes):
   ``compress`` returns a 1-D ``torch.uint8`` tensor (exact wire bytes);
   ``aggregate`` turns every rank's bytes into the dense *sum* of their
   contributions (the exchange then applies the averaging factor).
@@ -30,7 +30,7 @@ import torch
 
 from ..options import Option, resolve_options
 
-EXCHANGES = ("allreduce", "allgather")
+COLLECTIVES = ("allreduce", "allgather")
 # How an allgather codec's bucket travels (spec key ``exchange=``; see hvd_ext.exchange.routes).
 ROUTE_CHOICES = ("auto", "allgather", "twophase")
 # Spec key ``hierarchy=``: auto = node-aware (dense inside a node, compressed across nodes) when the job
@@ -109,10 +109,14 @@ class Continue:
 
 
 class Compressor:
-    """Base class. Subclasses set ``name``, ``exchange``, ``options`` and implement the codec."""
+    """Base class. Subclasses set ``name``, ``collective``, ``options`` and implement the codec.
+
+    ``collective`` is the collective a payload rides on; "exchange" names only the spec key that
+    picks a route (``exchange=allgather|twophase``, kept as ``route``) and the
+    :class:`hvd_ext.exchange.Exchange` that makes collectives."""
 
     name: ClassVar[str] = "?"
-    exchange: ClassVar[str] = "allreduce"
+    collective: ClassVar[str] = "allreduce"
     options: ClassVar[Dict[str, Option]] = {}
     # Spec name of the feedback used when the spec does not say ``feedback=``.
     default_feedback: ClassVar[str] = "none"
@@ -150,6 +154,12 @@ class Compressor:
     # 0 for sparsifiers and quantizers, whose frozen moment is safest taken from the first, largest
     # gradients; the error-feedback sign codecs need 1-bit Adam's warm-up (they diverged without it).
     default_variance_warmup: ClassVar[int] = 0
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        legacy = cls.__dict__.get("exchange")
+        if isinstance(legacy, str):  # a codec written against the attribute's old name
+            cls.collective = legacy
 
     def __init__(self, **kwargs):
         self.opts = resolve_options(f"compressor '{self.name}'", self.options, kwargs)
@@ -222,7 +232,7 @@ class Compressor:
 
         ``result`` is the exchanged (averaged) dense tensor; multi-round codecs
         such as PowerSGD use it. Default: decode our own payload."""
-        if self.exchange == "allgather":
+        if self.collective == "allgather":
             return self.decode(payload, ctx, info)
         out = self.decompress(payload, ctx, info)
         if isinstance(out, Continue):
@@ -278,8 +288,8 @@ def register(name: str):
     def deco(cls: Type[Compressor]) -> Type[Compressor]:
         if name in _REGISTRY:
             raise RuntimeError(f"compressor {name!r} registered twice")
-        if cls.exchange not in EXCHANGES:
-            raise RuntimeError(f"{cls.__name__}.exchange must be one of {EXCHANGES}")
+        if cls.collective not in COLLECTIVES:
+            raise RuntimeError(f"{cls.__name__}.collective must be one of {COLLECTIVES}")
         cls.name = name
         if "hierarchy" not in cls.options:  # every compressor accepts hierarchy=auto|flat
             cls.options = {**cls.options, "hierarchy": HIERARCHY_OPTION}

@@ -32,7 +32,7 @@ from .signsgd import bits_to_sign, sign_aggregate_cpu, sign_bits, sign_compress_
 @register("efsignsgd")
 class EFSignSGDCompressor(Compressor):
     default_variance_warmup = 200  # 1-bit Adam's warm-up: without it these diverged under Adam
-    exchange = "allgather"
+    collective = "allgather"
     default_feedback = "residual"
     options = {"bucket": Option(int, 1024, "integer >= 0 (0 = one scale per tensor)", non_negative,
                                 help="coordinates per scale")}

@@ -16,7 +16,7 @@ class CastCompressor(Compressor):
 
     lossless = True
     transient_results = True
-    exchange = "allreduce"
+    collective = "allreduce"
     wire_dtype = torch.float16
     shardable = True
 

@@ -60,7 +60,7 @@ _DECODE_SUM = _cpu.Kernel(_decode_sum, "int8 decode")
 
 @register("int8")
 class Int8Compressor(Compressor):
-    exchange = "allgather"
+    collective = "allgather"
     # Deterministic rounding (stochastic=0) is biased: error feedback keeps what rounding lost
     # (benchmarks/defaults_check.py).
     default_feedback = "residual"

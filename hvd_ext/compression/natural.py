@@ -29,7 +29,7 @@ _MANT = 1 << 23
 
 @register("natural")
 class NaturalCompressor(Compressor):
-    exchange = "allgather"
+    collective = "allgather"
     options = {"seed": Option(int, 0, "integer >= 0", non_negative)}
 
     def compress(self, tensor, info):

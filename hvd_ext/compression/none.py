@@ -10,7 +10,7 @@ from .base import Compressor, register
 class NoneCompressor(Compressor):
     lossless = True
     transient_results = True
-    exchange = "allreduce"
+    collective = "allreduce"
     wire_dtype = torch.float32
     shardable = True
 

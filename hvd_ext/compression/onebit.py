@@ -66,7 +66,7 @@ _DECODE_SUM = _cpu.Kernel(_decode_sum, "onebit decode")
 @register("onebit")
 class OneBitCompressor(Compressor):
     default_variance_warmup = 200  # 1-bit Adam's warm-up: without it these diverged under Adam
-    exchange = "allgather"
+    collective = "allgather"
     default_feedback = "residual"
     options = {"bucket": Option(int, 1024, "integer >= 0 (0 = one pair per tensor)", non_negative,
                                 help="coordinates per pair of reconstruction values")}

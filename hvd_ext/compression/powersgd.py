@@ -43,7 +43,7 @@ from .base import Compressor, Continue, register
 
 @register("powersgd")
 class PowerSGDCompressor(Compressor):
-    exchange = "allreduce"
+    collective = "allreduce"
     default_feedback = "residual"
     options = {
         "rank": Option(int, 4, "integer >= 1", positive),

@@ -207,7 +207,7 @@ _DECODE_B = _cpu.Kernel(_decode_buckets, "qdist bucket decode")
 
 @register("qdist")
 class QDistCompressor(Compressor):
-    exchange = "allgather"
+    collective = "allgather"
     options = {
         "bits": Option(int, 3, "1 <= bits <= 8", lambda v: 1 <= v <= 8),
         "dist": Option(str, "auto", choices=("auto",) + DISTS),

@@ -74,7 +74,7 @@ _DECODE_SUM = _cpu.Kernel(_decode_sum, "qsgd decode")
 
 @register("qsgd")
 class QSGDCompressor(Compressor):
-    exchange = "allgather"
+    collective = "allgather"
     options = {
         "bits": Option(int, 4, "2 <= bits <= 8", lambda v: 2 <= v <= 8, help="bits per element (with sign)"),
         "levels": Option(int, 0, "0 (from bits) or 1 <= levels <= 127", lambda v: 0 <= v <= 127,

@@ -48,7 +48,7 @@ def count_for(ratio: float, numel: int) -> int:
 
 @register("randomk")
 class RandomKCompressor(Compressor):
-    exchange = "allgather"
+    collective = "allgather"
     sparse = True
     default_feedback = "residual"
     default_variance_warmup = 10  # Adam: second moment from 10 dense exchanges, then frozen (module docstring)
@@ -61,8 +61,8 @@ class RandomKCompressor(Compressor):
     def __init__(self, **kw):
         super().__init__(**kw)
         if self.shared:
-            # Instance attribute: the exchange reads it to route the payload.
-            self.exchange = "allreduce"
+            # Instance attribute: the route is chosen from it.
+            self.collective = "allreduce"
 
     def indices(self, info, device=None) -> torch.Tensor:
         """k indices drawn without replacement from (seed, step, name[, rank]): on the host the first k

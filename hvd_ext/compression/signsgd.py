@@ -167,7 +167,7 @@ def sign_aggregate_cpu(bit_list, scale_list, n: int, bucket: int, vote: bool, pu
 class MajorityVote(Compressor):
     """Sign bits (and, with ``scale=l1``, one float32 scale per chunk) out, majority vote in."""
 
-    exchange = "allgather"
+    collective = "allgather"
     options = VOTE_OPTIONS
     owner_feedback = False  # the owner's vote is already a (scaled) sign: nothing to remember
 

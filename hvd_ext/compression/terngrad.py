@@ -61,7 +61,7 @@ _DECODE_SUM = _cpu.Kernel(_decode_sum, "terngrad decode")
 
 @register("terngrad")
 class TernGradCompressor(Compressor):
-    exchange = "allgather"
+    collective = "allgather"
     options = {
         "clip": Option(float, 2.5, "clip >= 0 (multiples of the std; 0 = no clipping)", non_negative),
         "seed": Option(int, 0, "integer >= 0", non_negative),

@@ -3,7 +3,7 @@
     rep = count_syncs("qsgd:bits=8", size=4, route="twophase")
     rep.per_step, rep.in_hooks, rep.buckets, rep.budget, rep.sites
 
-Every rank runs :func:`hvd_ext.exchange.harness.run_pipeline` on its own thread inside an
+Every rank runs :func:`hvd_ext.testing.harness.run_pipeline` on its own thread inside an
 :class:`~hvd_ext.testing.device.EmulatedDevice`, its gradients handed in one parameter at a
 time as backward's hooks do; syncs are counted from step ``warm`` on (the first steps may
 build buffers and plans), separately inside the hooks and in the rest of the step.

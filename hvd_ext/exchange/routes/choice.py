@@ -45,7 +45,7 @@ def node_aware_reason(comp: Compressor, exchange: Optional[Exchange]) -> Optiona
     topo = exchange.topology() if exchange is not None else None
     if topo is None or not topo.multi_node:
         return "one node, one rank per node, or nodes of different sizes"
-    if comp.exchange == "allreduce" and not comp.shardable:
+    if comp.collective == "allreduce" and not comp.shardable:
         return f"'{comp.name}' payloads cannot be cut into shards"
     fb = comp.feedback
     if fb is not None and not fb.node_level:
@@ -97,7 +97,7 @@ def route_options(comp: Compressor, mode: str, numel: int, size: int,
         model = cost.NodeModel(intra=model.intra, inter=dataclasses.replace(model.inter, codec=codec))
     topo = exchange.topology()
     M, L = topo.cross_size, topo.local_size
-    if comp.exchange == "allreduce":
+    if comp.collective == "allreduce":
         cands = ("allreduce",)
     elif mode == "allgather":
         cands = ("allgather",)
@@ -105,7 +105,7 @@ def route_options(comp: Compressor, mode: str, numel: int, size: int,
         cands = ("twophase",)
     else:
         cands = ("allgather", "twophase")
-    payload = estimated_payload_bytes(comp, numel) if comp.exchange != "allreduce" else \
+    payload = estimated_payload_bytes(comp, numel) if comp.collective != "allreduce" else \
         numel * float(comp.wire_dtype.itemsize if comp.wire_dtype is not None else 4)
     pick = cost.choose_hierarchy(cands, cands, numel, payload, M, L, model)
     inner = pick["inner"]
@@ -117,7 +117,7 @@ def route_options(comp: Compressor, mode: str, numel: int, size: int,
 def _choose_flat(comp: Compressor, mode: str, numel: int, size: int, link: Optional[cost.LinkModel]) -> str:
     if mode not in ROUTE_CHOICES:
         raise ValueError(f"exchange must be one of {', '.join(ROUTE_CHOICES)}, got {mode!r}")
-    if comp.exchange == "allreduce":
+    if comp.collective == "allreduce":
         if mode != "auto":
             raise ValueError(f"compressor '{comp.name}' rides on allreduce; exchange={mode!r} is not accepted "
                              "(accepted: auto)")

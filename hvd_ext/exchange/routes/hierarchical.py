@@ -106,7 +106,7 @@ class NodeAwareRoute(Route):
             param = ri.param.reshape(-1)[a:b] if ri.param is not None else None
             info = TensorInfo(name=name, shape=torch.Size([b - a]), step=ri.step, rank=cex.rank, size=cex.size,
                               param=param, scale=cex.scale(), base_name=ri.base_name)
-            u = seg.float() if self.comp.exchange != "allreduce" else seg.to(rec.u.dtype)
+            u = seg.float() if self.comp.collective != "allreduce" else seg.to(rec.u.dtype)
             if self._use_mem:
                 u = u + self.memory.get(name, u)
             inner.append(TensorRecord(name, rec.param, info, u))

@@ -1,0 +1,115 @@
+"""hvd_ext.exchange.routes.base: flat bucket records, and the owner-side memory of the two-phase and
+sparse reduce-scatter routes (conservation, non-finite steps, checkpoints), on simulated ranks."""
+import math
+import re
+
+import pytest
+import torch
+
+from hvd_ext.testing.harness import run_pipeline
+
+from helpers.simgrads import SHAPES, make_grads
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "topk:ratio=0.05,feedback=ewma", "topk:ratio=0.05,values=fp16",
+                                  "sig:ratio=0.05", "sig:ratio=0.05,split=layer,mode=sampled",
+                                  "sig:ratio=0.05,split=global,feedback=ewma"])
+def test_flat_bucket_equals_per_tensor_payloads(size, spec, monkeypatch):
+    """topk scope=model and sig go as one flat payload per bucket (allgather at N=2, sparse
+    reduce-scatter beyond): the same selection (sig still scores and budgets every tensor with its
+    own parameter), so results and error-feedback memories equal those of one payload per tensor."""
+    from hvd_ext.compression.sig import SignificanceCompressor
+    from hvd_ext.compression.topk import TopKCompressor
+
+    grads = make_grads(size, 3, seed=7)
+    params = {k: torch.rand(*s) + 0.1 for k, s in SHAPES.items()}
+    flat = run_pipeline(spec, grads, size, params=params)
+    assert flat[0].pipeline.compressor.bucket_flat
+    for cls in (TopKCompressor, SignificanceCompressor):
+        monkeypatch.setattr(cls, "bucket_flat", property(lambda self: False))
+    per_tensor = run_pipeline(spec, grads, size, params=params)
+    assert flat[0].routes == per_tensor[0].routes
+    for a, b in zip(flat, per_tensor):
+        for step in range(3):
+            for k in SHAPES:
+                assert torch.allclose(a.results[step][k], b.results[step][k], atol=1e-6), (step, k)
+        ma, mb = a.pipeline.feedback.state_dict()["memory"], b.pipeline.feedback.state_dict()["memory"]
+        assert set(ma) == set(mb) and set(SHAPES) <= set(ma)
+        for k in ma:
+            assert torch.allclose(ma[k], mb[k], atol=1e-6), k
+        # one payload per bucket: fewer header bytes than one per tensor
+        assert a.exchange.stats.bytes_sent < b.exchange.stats.bytes_sent
+
+
+@pytest.mark.parametrize("size", [3, 4])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.02,exchange=twophase", "efsignsgd:exchange=twophase",
+                                  "sig:ratio=0.02,exchange=twophase", "randomk:ratio=0.05,exchange=twophase"])
+def test_conservation_with_owner_memory(size, spec):
+    """Sum over steps of N x mean gradient = sum of applied results x N
+    + every worker's residual + every owner's residual (nothing lost, nothing counted twice)."""
+    steps = 5
+    grads = make_grads(size, steps, seed=3)
+    params = {k: torch.rand(*s) + 0.1 for k, s in SHAPES.items()}
+    runs = run_pipeline(spec, grads, size, params=params)
+    for k in SHAPES:
+        total_g = sum(grads[s][r][k] for s in range(steps) for r in range(size)).reshape(-1)
+        applied = sum(runs[0].results[s][k] for s in range(steps)).reshape(-1) * size
+        worker = sum(run.pipeline.feedback.memory.get(k, torch.zeros(1)).reshape(-1) for run in runs)
+        owner = torch.zeros_like(total_g)
+        for run in runs:
+            mem = run.pipeline.owner_memory.memory
+            for key, v in mem.items():
+                if re.fullmatch(r"b\d+:owner", key):                    # sparse: full bucket vector
+                    order = list(reversed(list(SHAPES)))
+                    off = sum(math.prod(SHAPES[x]) for x in order[:order.index(k)])
+                    owner += v[off:off + total_g.numel()]                # sums over ranks
+                elif key.startswith(f"{k}@"):                            # two-phase: one segment
+                    a = int(key.split("@")[1].split(":")[0])
+                    owner[a:a + v.numel()] += v * size                  # averages
+        assert torch.allclose(applied + worker + owner, total_g, atol=2e-3), k
+
+
+# ---- non-finite and checkpoints ------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["efsignsgd:exchange=twophase", "topk:ratio=0.05,exchange=twophase"])
+def test_nonfinite_on_one_rank_skips_everywhere_and_keeps_memories(spec):
+    size = 3
+    grads = make_grads(size, 3, seed=7)
+    grads[1][2]["w1"][0, 0] = float("nan")
+    snap = {}
+
+    def before(rank, step, pipe):
+        if step == 1:
+            snap[rank] = ({k: v.clone() for k, v in pipe.feedback.memory.items()},
+                          {k: v.clone() for k, v in pipe.owner_memory.memory.items()})
+        if step == 2:
+            fb, ow = snap[rank]
+            assert fb.keys() == pipe.feedback.memory.keys() and ow.keys() == pipe.owner_memory.memory.keys()
+            assert all(torch.equal(fb[k], pipe.feedback.memory[k]) for k in fb)
+            assert all(torch.equal(ow[k], pipe.owner_memory.memory[k]) for k in ow)
+
+    runs = run_pipeline(spec, grads, size, before_step=before)
+    assert [r.skipped for r in runs] == [[False, True, False]] * size
+
+
+def test_owner_memory_survives_a_checkpoint():
+    size, spec = 3, "efsignsgd:exchange=twophase"
+    grads = make_grads(size, 4, seed=11)
+    full = run_pipeline(spec, grads, size)
+    saved = {}
+
+    def save(rank, step, pipe):
+        if step == 2:
+            saved[rank] = pipe.state_dict()
+
+    run_pipeline(spec, grads[:3], size, before_step=save)
+
+    def load(rank, step, pipe):
+        if step == 0:
+            pipe.load_state_dict(saved[rank])
+
+    resumed = run_pipeline(spec, grads[2:], size, before_step=load)
+    for r in range(size):
+        for k in SHAPES:
+            assert torch.equal(resumed[r].results[1][k], full[r].results[3][k])
+    assert any(k.endswith(":owner") for k in saved[0]["owner"])

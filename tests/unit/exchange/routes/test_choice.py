@@ -1,0 +1,97 @@
+"""hvd_ext.exchange.routes.choice: which route a bucket takes, from the spec, the cost model, the
+measured links and the node layout; flat where node groups are missing or under elastic."""
+import warnings
+
+import pytest
+
+import hvd_ext
+from hvd_ext.exchange import cost
+from hvd_ext.exchange.routes import choose_route
+from hvd_ext.exchange.transport import Topology
+from hvd_ext.testing.harness import run_pipeline
+
+from helpers.nodes import _Ex
+from helpers.simgrads import make_grads
+
+
+# ---- routes chosen identically, from the spec and the cost model --------------------------------
+def test_route_choice():
+    c = hvd_ext.compression_from_spec
+    assert choose_route(c("none"), "auto", 10 ** 6, 8) == "allreduce"
+    assert choose_route(c("qsgd:bits=8"), "auto", 10 ** 6, 2) == "allgather"   # same bytes, one collective
+    assert choose_route(c("qsgd:bits=8"), "auto", 10 ** 6, 8) == "twophase"
+    assert choose_route(c("topk:ratio=0.01"), "auto", 10 ** 6, 8) == "sparse_rs"
+    assert choose_route(c("qsgd:bits=8"), "allgather", 10 ** 6, 8) == "allgather"
+    assert choose_route(c("qsgd:bits=8"), "twophase", 100, 2) == "twophase"
+    assert choose_route(c("qsgd:bits=8"), "auto", 10, 64) == "allgather"      # latency-bound tiny bucket
+    with pytest.raises(ValueError, match="accepted: auto"):
+        choose_route(c("fp16"), "twophase", 10, 4)
+    with pytest.raises(ValueError, match="exchange"):
+        c("qsgd:exchange=ring")
+    assert c("qsgd:bits=8,exchange=twophase").spec() == "qsgd:bits=8,exchange=twophase"
+
+
+def test_route_choice_on_nodes():
+    c = hvd_ext.compression_from_spec
+    two_by_two = _Ex(Topology(0, 2, 0, 2))
+    n = 10 ** 6
+    assert choose_route(c("qsgd:bits=8"), "auto", n, 4, exchange=two_by_two).startswith("node:")
+    assert choose_route(c("topk:ratio=0.01"), "auto", n, 4, exchange=two_by_two).startswith("node:")
+    assert choose_route(c("qsgd:bits=8"), "twophase", n, 4, exchange=two_by_two) == "node:twophase"
+    assert choose_route(c("topk:ratio=0.01"), "twophase", n, 4, exchange=two_by_two) == "node:sparse_rs"
+    assert choose_route(c("none"), "auto", n, 4, exchange=two_by_two) == "node:allreduce"
+    # flat: asked for, one node, one rank per node, uneven nodes, codecs/feedbacks it cannot carry
+    assert choose_route(c("qsgd:bits=8,hierarchy=flat"), "auto", n, 4, exchange=two_by_two) == \
+        choose_route(c("qsgd:bits=8"), "auto", n, 4) == "twophase"
+    for topo in (Topology(0, 4, 0, 1), Topology(0, 1, 0, 4), Topology(0, 2, 0, 2, homogeneous=False)):
+        assert not choose_route(c("qsgd:bits=8"), "auto", n, 4, exchange=_Ex(topo)).startswith("node:")
+    assert choose_route(c("powersgd:rank=2"), "auto", n, 4, exchange=two_by_two) == "allreduce"
+    assert not choose_route(c("dgc:ratio=0.01"), "auto", n, 4, exchange=two_by_two).startswith("node:")
+    assert choose_route(c("qsgd:bits=8"), "auto", 1000, 2) == "allgather"  # no exchange given: flat as before
+
+
+def test_route_choice_follows_the_measured_links():
+    """The node-aware route is taken by the exchange's node model (measured links), not by constants:
+    a slow inter-node link makes it node-aware, a node whose own link is the slow one makes it flat;
+    ``codec`` (auto's measured codec speed) enters the model; no model is asked for a flat spec."""
+    c = hvd_ext.compression_from_spec
+    n = 10 ** 6
+    slow_inter = cost.NodeModel(intra=cost.LinkModel(alpha=5e-6, bandwidth=5e9),
+                                inter=cost.LinkModel(alpha=50e-6, bandwidth=37.5e6))
+    slow_intra = cost.NodeModel(intra=cost.LinkModel(alpha=50e-6, bandwidth=50e6),
+                                inter=cost.LinkModel(alpha=50e-6, bandwidth=10e9))
+    for spec in ("qsgd:bits=8", "topk:ratio=0.01", "none"):
+        ex = _Ex(Topology(0, 2, 0, 2), model=slow_inter)
+        assert choose_route(c(spec), "auto", n, 4, exchange=ex).startswith("node:"), spec
+        assert ex.models_asked == 1
+        assert not choose_route(c(spec), "auto", n, 4, exchange=_Ex(Topology(0, 2, 0, 2), model=slow_intra)) \
+            .startswith("node:"), spec
+    # codec speed: the flat allgather decodes (1 + N) n elements per rank, the node-aware one (1 + M) n/L;
+    # with a slow enough codec that outweighs the slow intra-node link
+    assert not choose_route(c("qsgd:bits=8"), "allgather", n, 4, exchange=_Ex(Topology(0, 2, 0, 2), model=slow_intra),
+                            codec=1e9).startswith("node:")
+    assert choose_route(c("qsgd:bits=8"), "allgather", n, 4, exchange=_Ex(Topology(0, 2, 0, 2), model=slow_intra),
+                        codec=1e6) == "node:allgather"
+    flat = _Ex(Topology(0, 2, 0, 2), model=slow_inter)
+    choose_route(c("qsgd:bits=8,hierarchy=flat"), "auto", n, 4, exchange=flat)
+    assert flat.models_asked == 0
+
+
+def test_no_process_sets_one_warning_and_flat():
+    from hvd_ext.exchange.routes import choice
+
+    choice._warned.clear()
+    grads = make_grads(4, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runs = run_pipeline("qsgd:bits=8", grads, 4, ranks_per_node=2, process_sets=False)
+    assert all(r.routes == ["allgather"] for r in runs)
+    msgs = [str(w.message) for w in caught if "node-aware" in str(w.message)]
+    assert len(msgs) == 1 and "process sets" in msgs[0], msgs
+
+
+def test_elastic_jobs_stay_flat(monkeypatch):
+    """Under Horovod elastic the world (and its nodes) can change and construction must not communicate."""
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    assert choose_route(hvd_ext.compression_from_spec("qsgd:bits=8"), "auto", 10 ** 6, 4,
+                        exchange=_Ex(Topology(0, 2, 0, 2))) == "twophase"

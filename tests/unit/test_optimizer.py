@@ -1,0 +1,77 @@
+"""hvd_ext.DistributedOptimizer in one process: arguments checked before any collective; its state
+through Horovod elastic's TorchState commit/restore (size 1)."""
+
+
+import pytest
+import torch
+
+import hvd_ext
+
+
+def test_distributed_optimizer_rejects_bad_arguments_before_any_collective():
+    # horovod is imported but NOT initialised: validation must fail first.
+    import horovod.torch as hvd
+
+    model = torch.nn.Linear(3, 2)
+
+    def make(**kw):
+        return hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters(), **kw)
+
+    cases = [
+        (dict(compression="nosuch"), "unknown compressor"),
+        (dict(compression=42), "unsupported value"),
+        (dict(compression=hvd_ext.compression.registry()["none"]), "pass an instance"),
+        (dict(backward_passes_per_step=0), "backward_passes_per_step"),
+        (dict(backward_passes_per_step=1.5), "backward_passes_per_step"),
+        (dict(op="mean"), "op must be one of"),
+        (dict(gradient_predivide_factor=0), "gradient_predivide_factor"),
+        (dict(gradient_predivide_factor=2.0, op=hvd.Sum), "op != Average"),
+        (dict(bucket_bytes=0), "bucket_bytes"),
+        (dict(compression="randomk", op=hvd.Adasum), "Adasum"),
+    ]
+    for kw, fragment in cases:
+        with pytest.raises(ValueError) as e:
+            make(**kw)
+        assert fragment in str(e.value), (kw, str(e.value))
+    with pytest.raises(ValueError, match="torch.optim.Optimizer"):
+        hvd_ext.DistributedOptimizer(object())
+
+
+def test_torchstate_commit_restore_carries_hvd_ext_state():
+    """hvd.elastic.TorchState saves optimizer.state_dict() on commit and loads it on restore (after a
+    failed collective): the pipeline step, worker residuals and compressor state come back with it."""
+    import horovod.torch as hvd
+    import torch
+
+    import hvd_ext
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression="powersgd:rank=1,start_step=0")
+
+    def train_step():
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
+    train_step()
+    state.batch = 1
+    state.commit()
+    saved = opt.state_dict()["hvd_ext"]
+    assert saved["step"] == 1 and saved["feedback"]["memory"] and saved["compressor"]["q_memory"]
+    train_step()
+    train_step()
+    assert opt._pipeline.step == 3
+    state.restore()
+    now = opt.state_dict()["hvd_ext"]
+    assert now["step"] == 1 and state.batch == 1
+    for part, key in (("feedback", "memory"), ("compressor", "q_memory")):
+        assert now[part][key].keys() == saved[part][key].keys()
+        assert all(torch.equal(now[part][key][k], v) for k, v in saved[part][key].items())
+    train_step()
+    assert opt._pipeline.step == 2
