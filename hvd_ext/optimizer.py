@@ -246,11 +246,11 @@ class _DistributedMixin:
         """One allgather of a small fingerprint (at construction, or under Horovod elastic before the
         first exchange in each world); every rank raises on a mismatch."""
         a = self._pipeline_args
-        buckets = [list(getattr(b, "names", [])) for b in getattr(self._pipeline, "buckets", [])]
+        buckets = [list(b.names) for b in self._pipeline.buckets]
         fp = config_fingerprint(a.params, self._compression, self._exchange.op_name,
                                 self.backward_passes_per_step, self.gradient_predivide_factor, a.bucket_bytes,
                                 self._sparse.requested_as_dense, buckets,
-                                list(getattr(self._pipeline, "routes", []) or []))
+                                list(self._pipeline.routes))
         msg = fingerprint_mismatch(self._exchange.allgather_object(fp, "hvd_ext.config"))
         if msg is not None:
             raise ValueError(msg)
@@ -377,7 +377,7 @@ class _DistributedMixin:
         self.stats.record_totals(bytes_sent=ex.bytes_sent, bytes_received=ex.bytes_received, comm_wait_s=ex.wait_s,
                                  compress_s=self._pipeline.compress_s, skipped=skipped, exchanged=exchanged)
         extra = self.stats.extra
-        extra["routes"] = self._pipeline.routes if hasattr(self._pipeline, "routes") else []
+        extra["routes"] = self._pipeline.routes
         extra["overlap"] = bool(self.overlap)
         extra["wire_by_link"] = dict(getattr(ex, "wire_by_link", {}) or {})
         if getattr(self._exchange, "node_links", None):  # multi-node: the links the routes were chosen for

@@ -139,10 +139,10 @@ class GradientPipeline:
         if self.warmup is not None:
             self.follow_step()
 
-    @property
-    def route_mode(self) -> Optional[str]:
-        """The route every bucket is held to (a test harness's), else None: the codec's ``exchange=``."""
-        return self._route_mode
+    def route_mode(self, comp: Compressor) -> str:
+        """The route mode for a bucket under ``comp``: the one every bucket is held to (a test
+        harness's), else the codec's ``exchange=``."""
+        return self._route_mode if self._route_mode is not None else comp.route
 
     def follow_step(self) -> None:
         """Every bucket takes the codec the dense warm-up calls for at this step (the codec once past it)."""
@@ -155,9 +155,8 @@ class GradientPipeline:
 
     def _make_route(self, b: _Bucket, comp: Compressor) -> Route:
         """The route of bucket ``b`` under codec ``comp`` (same inputs on every rank, same route)."""
-        mode = self._route_mode if self._route_mode is not None else comp.route
-        kind = choose_route(comp, mode, sum(p.numel() for p in b.params), self.size, exchange=self.exchange,
-                            device=b.params[0].device)
+        kind = choose_route(comp, self.route_mode(comp), sum(p.numel() for p in b.params), self.size,
+                            exchange=self.exchange, device=b.params[0].device)
         return make_route(kind, comp, self.exchange, f"b{b.index}", self.owner_memory)
 
     def set_bucket_compressor(self, b: _Bucket, comp: Compressor, kind: Optional[str] = None) -> None:

@@ -64,7 +64,7 @@ class RouteTrial(Policy):
         steps = int(comp.hierarchy_trial or 0)
         if steps <= 0 or pipe.auto is not None or comp.hierarchy != "auto":
             return None
-        mode = pipe.route_mode if pipe.route_mode is not None else comp.route
+        mode = pipe.route_mode(comp)
         plans: Dict[str, List[str]] = {"flat": [], "node": []}
         predicted = {"flat": 0.0, "node": 0.0}
         for b in pipe.buckets:
