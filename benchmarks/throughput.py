@@ -124,7 +124,7 @@ def main(argv=None):
             comp = hvd_ext.compression_from_spec(spec)
             g = grad2d if comp.name == "powersgd" else grad
             times, nbytes, first = [], 0, 0.0
-            step0 = int(getattr(comp, "start_step", 0) or 0)  # powersgd sends dense before start_step
+            step0 = comp.warmup_length()  # past the dense warm-up (powersgd: 100 exchanges)
             for rep in range(a.repeat + 1):
                 dt, nbytes, _ = one_round(comp, g, step0 + rep, device)
                 if rep:

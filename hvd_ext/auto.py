@@ -57,7 +57,8 @@ import torch
 
 from .accuracy_guard import DEFAULT_BOUND, AccuracyGuard
 from .feedback.residual import ResidualFeedback
-from .compression.base import VARIANCE_OPTIONS, Compressor, Continue, TensorInfo, variance_warmup_option
+from .compression.base import Compressor, Continue, TensorInfo
+from .compression.common import COMMON_ALIASES, COMMON_OPTIONS
 from .exchange import cost
 from .exchange.probe import best_time
 from .exchange.routes import TensorRecord, choose_route, flat_record
@@ -75,10 +76,11 @@ _CUT = 1.3      # a trial contender this x (1 + slack) slower than the shortest 
 _ROUNDS = 2     # a trial's contenders take turns in this many rounds (ABC CBA)
 
 AUTO_OPTIONS = {
-    **VARIANCE_OPTIONS,
-    "variance_warmup": variance_warmup_option(0),
+    # of the options every codec takes, auto takes these two; route and hierarchy are its candidates'
+    "variance": COMMON_OPTIONS["variance"],
+    "warmup": Option(int, None, "int >= 2", lambda v: v >= 2,
+                     help="dense exchanges before the first decision (default 5)"),
     "every": Option(int, 1000, "int >= 1", lambda v: v >= 1, help="exchanges between two decisions"),
-    "warmup": Option(int, 5, "int >= 2", lambda v: v >= 2, help="dense exchanges before the first decision"),
     "check": Option(int, 50, "int >= 1", lambda v: v >= 1,
                     help="exchanges between two checks of measured against predicted time"),
     "slack": Option(float, 0.05, "0 <= slack <= 10", lambda v: 0 <= v <= 10,
@@ -109,7 +111,9 @@ class AutoCompression(Compressor):
     def __init__(self, candidates: Sequence[Tuple[str, Compressor]], **kwargs):
         """``candidates``: (spec, compressor) pairs, most accurate first, built by
         :func:`hvd_ext.spec.compression_from_spec`; ``kwargs``: the options above."""
-        self.opts = resolve_options("compressor 'auto'", self.options, kwargs)
+        self.opts = resolve_options("compressor 'auto'", self.options, kwargs,
+                                    aliases={k: v for k, v in COMMON_ALIASES.items() if v in self.options})
+        self.common = {}
         for k, v in self.opts.items():
             setattr(self, k, v)
         if not candidates:
@@ -131,6 +135,9 @@ class AutoCompression(Compressor):
         if len(set(c.spec() for c in self.candidates)) != len(self.candidates):
             raise ValueError(f"auto: candidates listed twice in {', '.join(self.candidate_specs)}")
         self.route = "auto"
+
+    def default_warmup(self, frozen_moment: bool) -> int:
+        return 5  # dense exchanges before the first decision: enough timed steps to measure
 
     def uses_memory(self, comp: Compressor) -> bool:
         """Does candidate ``comp`` run under the shared residual? Those whose own feedback is
@@ -292,7 +299,7 @@ class AutoTuner(Policy):
         step, a = self.pipe.step, self.auto
         if self.guard is not None and self.guard.ratio is None and self.guard.kept():
             self.guard.measure(self.pipe.buckets, self._roundtrip)
-        if step < max(a.warmup, getattr(self.pipe, "dense_steps", 0)):  # dense warm-up (variance_freeze)
+        if step < max(a.warmup_length(), self.pipe.warmup):  # the dense warm-up (compression.common)
             return
         if self._trial is not None:
             t, ran = self._trial, step - self._trial.start

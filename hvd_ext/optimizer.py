@@ -156,7 +156,7 @@ class _PipelineArgs:
 
     params: List[Tuple[str, torch.Tensor]]   # trainable (name, parameter), in the optimizer's order
     bucket_bytes: int
-    dense_steps: int                          # dense warm-up exchanges (variance_freeze)
+    warmup: int                               # dense warm-up exchanges (compression.common)
     overlap: Any                              # the user's setting, resolved per world
 
 
@@ -191,7 +191,7 @@ class _DistributedMixin:
         # Adam & co. under a lossy codec: dense warm-up, then the second moment frozen (variance_freeze).
         self._freeze = VarianceFreeze.for_optimizer(self, compressor, self._parameter_names) if included else None
         self._pipeline_args = _PipelineArgs(trainable, bucket_bytes,
-                                            self._freeze.warmup if self._freeze is not None else 0, overlap)
+                                            compressor.warmup_length(frozen_moment=self._freeze is not None), overlap)
         self._world = World(self._exchange, included)
         # Sparse gradients: Horovod's sparse allgather path unless sparse_as_dense (Adasum: dense).
         self._sparse = SparseGradients(self._exchange, trainable, torch.float16 if compressor.wire_dtype == torch.float16 else None,
@@ -237,7 +237,7 @@ class _DistributedMixin:
             old.close()
         self._pipeline = GradientPipeline([(n, p) for n, p in a.params if not self._sparse.owns(p)],
                                           self._compression, self._compression.feedback, self._exchange,
-                                          a.bucket_bytes, dense_steps=a.dense_steps, overlap=self.overlap)
+                                          a.bucket_bytes, warmup=a.warmup, overlap=self.overlap)
         if state is not None:
             self._pipeline.load_state_dict(state)
             self._pipeline.compress_s = compress_s

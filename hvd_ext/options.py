@@ -80,15 +80,33 @@ class Option:
         return out
 
 
-def resolve_options(owner: str, declared: Dict[str, Option], given: Dict[str, Any]) -> Dict[str, Any]:
-    """Validate ``given`` against ``declared``; return all options with defaults filled."""
+def resolve_options(owner: str, declared: Dict[str, Option], given: Dict[str, Any],
+                    aliases: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """Validate ``given`` against ``declared``; return all options with defaults filled.
+
+    ``aliases`` maps an old key to the declared one it still spells (``variance_warmup`` ->
+    ``warmup``); giving both is an error."""
+    aliases = aliases or {}
+    spelled = {aliases.get(k, k): k for k in given}  # errors name the key as the user wrote it
+    given = canonical_keys(owner, given, aliases)
     unknown = sorted(set(given) - set(declared))
     if unknown:
         accepted = ", ".join(sorted(declared)) or "(none)"
         raise ValueError(f"{owner}: unknown option(s) {', '.join(map(repr, unknown))}; accepted: {accepted}")
     out = {}
     for key, opt in declared.items():
-        out[key] = opt.convert(owner, key, given[key]) if key in given else opt.default
+        out[key] = opt.convert(owner, spelled.get(key, key), given[key]) if key in given else opt.default
+    return out
+
+
+def canonical_keys(owner: str, given: Dict[str, Any], aliases: Dict[str, str]) -> Dict[str, Any]:
+    """``given`` with every alias key replaced by the key it stands for."""
+    out: Dict[str, Any] = {}
+    for key, value in given.items():
+        name = aliases.get(key, key)
+        if name in out:
+            raise ValueError(f"{owner}: '{name}' given twice (as {key!r} too, its old name); give it once")
+        out[name] = value
     return out
 
 

@@ -91,7 +91,7 @@ def plan_buckets(named_params: List[Tuple[str, torch.Tensor]], bucket_bytes: int
 class GradientPipeline:
     def __init__(self, named_params: List[Tuple[str, torch.Tensor]], compressor: Compressor,
                  feedback: Optional[Feedback], exchange: Exchange, bucket_bytes: int, route: Optional[str] = None,
-                 dense_steps: int = 0, overlap: bool = False):
+                 warmup: int = 0, overlap: bool = False):
         self.compressor = compressor
         self.feedback = feedback if feedback is not None else NoFeedback()
         self.exchange = exchange
@@ -109,11 +109,11 @@ class GradientPipeline:
             raise ValueError("compression='auto' needs op=Average or Sum (Adasum is not linear across codecs); "
                              "pick a fixed compression with Adasum")
         # The policies (hvd_ext.policy) decide, between steps, each bucket's codec and route.
-        self.dense_steps = int(dense_steps)
-        self.warmup: Optional[DenseWarmup] = DenseWarmup(self, dense_steps) if dense_steps > 0 and not is_auto else None
+        self.warmup = int(warmup)  # dense warm-up exchanges (compression.common; auto runs its own)
+        self.warmup_policy = DenseWarmup(self, self.warmup) if self.warmup > 0 and not is_auto else None
         first = compressor.candidates[AutoTuner.dense_index(compressor)] if is_auto else compressor
-        if self.warmup is not None:  # step 0: inside the warm-up
-            first = self.warmup.codec
+        if self.warmup_policy is not None:  # step 0: inside the warm-up
+            first = self.warmup_policy.codec
         for bi, idxs in enumerate(plan_buckets(named_params, bucket_bytes, min(bucket_bytes, FIRST_BUCKET_BYTES))):
             params = [named_params[i][1] for i in idxs]
             b = _Bucket(bi, [named_params[i][0] for i in idxs], params, None, first)
@@ -124,7 +124,7 @@ class GradientPipeline:
         self.auto: Optional[AutoTuner] = AutoTuner(compressor, self) if is_auto else None
         # hierarchy=auto on a multi-node job: flat against node-aware, measured (hvd_ext.route_trial)
         self.route_trial: Optional[RouteTrial] = RouteTrial.plan(self)
-        self.policies: List[Policy] = [p for p in (self.warmup, self.auto, self.route_trial) if p is not None]
+        self.policies: List[Policy] = [p for p in (self.warmup_policy, self.auto, self.route_trial) if p is not None]
         self._step_code_s = 0.0
         self._checks = Checks()  # device-side checks of the step in progress (read by finish)
         self.overlap = bool(overlap)
@@ -136,17 +136,17 @@ class GradientPipeline:
         """Take the step counter of another rank (the resume recipe, a joining elastic worker): the
         buckets' codec follows it (dense warm-up or not), so every rank makes the same collectives."""
         self.step = int(step)
-        if self.warmup is not None:
+        if self.warmup_policy is not None:
             self.follow_step()
 
     def route_mode(self, comp: Compressor) -> str:
         """The route mode for a bucket under ``comp``: the one every bucket is held to (a test
-        harness's), else the codec's ``exchange=``."""
+        harness's), else the codec's ``route=``."""
         return self._route_mode if self._route_mode is not None else comp.route
 
     def follow_step(self) -> None:
         """Every bucket takes the codec the dense warm-up calls for at this step (the codec once past it)."""
-        want = self.warmup.codec_now(self.compressor)
+        want = self.warmup_policy.codec_now(self.compressor)
         for b in self.buckets:
             if b.comp is not want:
                 self.set_bucket_compressor(b, want)
@@ -249,7 +249,7 @@ class GradientPipeline:
                               param=p.detach(), scale=scale)
             if self.auto is not None:
                 g = self.auto.release(name, g)  # a share of what an earlier codec left (see AutoTuner)
-            u = g if self._is_warm(comp) else fb.compensate(name, g if dense_codec else g.float(), info)
+            u = g if self._in_warmup(comp) else fb.compensate(name, g if dense_codec else g.float(), info)
             if local_flag:
                 flags.append(u)
             records.append(TensorRecord(name, p, info, u))
@@ -312,7 +312,7 @@ class GradientPipeline:
         # auto choosing a codec that runs without error feedback when fixed (none, fp16, bf16: lossless;
         # qsgd: unbiased) runs it as fixed: memory cleared, no per-step residual to keep.
         lossless = use_fb and self.auto is not None and not self.compressor.uses_memory(b.comp)
-        warm = self._is_warm(b.comp)
+        warm = self._in_warmup(b.comp)
         records, sents = b.route.records, None
         if b.parts is not None:  # one flat record: split the result back into the bucket's tensors
             records = b.parts
@@ -341,8 +341,8 @@ class GradientPipeline:
         """What keeps staged per-step state: committed on a finite step, discarded otherwise."""
         return [self.feedback, self.compressor, self.owner_memory] + self.policies
 
-    def _is_warm(self, comp: Compressor) -> bool:
-        return self.warmup is not None and comp is self.warmup.codec
+    def _in_warmup(self, comp: Compressor) -> bool:
+        return self.warmup_policy is not None and comp is self.warmup_policy.codec
 
     def _drop_step(self) -> None:
         """A check failed (a corrupt payload, ranks that disagree): nothing of this step is kept."""

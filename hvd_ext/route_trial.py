@@ -94,7 +94,7 @@ class RouteTrial(Policy):
     def after_step(self, exchange_s: float) -> None:
         """Called by the pipeline after every exchange (same step on every rank)."""
         pipe = self.pipe
-        if self.done or pipe.step < pipe.dense_steps:
+        if self.done or pipe.step < pipe.warmup:
             return
         now = time.perf_counter()
         if self._i is None:  # past the warm-up: the model's pick first
@@ -134,7 +134,7 @@ class RouteTrial(Policy):
         if choice in self.plans:
             self.choice = choice
             self.measured = dict(state.get("measured") or {})
-            if self.pipe.step >= self.pipe.dense_steps:  # else applied when the warm-up ends
+            if self.pipe.step >= self.pipe.warmup:  # else applied when the warm-up ends
                 self.apply(choice)
         else:
             self.choice, self.measured = None, {}

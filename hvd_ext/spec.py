@@ -2,8 +2,9 @@
 
 ``compression_from_spec("topk:ratio=0.01,feedback=ewma,beta=0.9")`` builds a compressor and
 attaches its feedback: keys go to the compressor's options, ``feedback=NAME`` picks the
-feedback, the remaining keys go to that feedback's options; ``exchange=`` picks the route
-(:mod:`hvd_ext.exchange.routes`). ``auto:...,candidates=...`` builds :class:`hvd_ext.auto.AutoCompression`
+feedback, the remaining keys go to that feedback's options; the keys every codec takes
+(``route=``, ``hierarchy=``, ``variance=``, ``warmup=``: :mod:`hvd_ext.compression.common`) are
+parsed by the compressor's base class. ``auto:...,candidates=...`` builds :class:`hvd_ext.auto.AutoCompression`
 from candidate specs. Any unknown name, key or bad value raises ``ValueError`` naming it and
 what is accepted, before any collective.
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from .auto import AUTO_OPTIONS, DEFAULT_CANDIDATES, AutoCompression
-from .compression import ROUTE_CHOICES, Compressor, registry
+from .compression import Compressor, registry
+from .compression.common import COMMON_ALIASES, COMMON_OPTIONS
 from .feedback import registry as feedback_registry
 from .options import parse_spec
 
@@ -23,7 +25,8 @@ def list_compressors() -> List[str]:
 
 
 def describe_compressors() -> Dict[str, Dict[str, Any]]:
-    """name -> {exchange, options: {key: (default, accepted)}, default_feedback, doc}."""
+    """name -> {collective, options: {key: (default, accepted)}, default_feedback, doc}; the options
+    every codec takes are :data:`hvd_ext.compression.common.COMMON_OPTIONS`."""
     out = {}
     for name, cls in sorted(registry().items()):
         out[name] = {
@@ -58,30 +61,23 @@ def compression_from_spec(spec: str) -> Compressor:
     if name not in reg:
         raise ValueError(f"unknown compressor {name!r} in spec {spec!r}; accepted: {', '.join(sorted(reg))}")
     cls = reg[name]
-    route = kv.pop("exchange", "auto").strip().lower()
-    accepted_routes = ("auto",) if cls.collective == "allreduce" else ROUTE_CHOICES
-    if route not in accepted_routes:
-        raise ValueError(f"bad value {route!r} for 'exchange' in spec {spec!r}: compressor '{name}' accepts "
-                         f"{', '.join(accepted_routes)} (allgather: every rank receives every payload; twophase: "
-                         "shards reduced by their owner, bytes per rank flat in N; auto: chosen by the cost model)")
     fb_name = kv.pop("feedback", cls.default_feedback).strip().lower()
     fb_cls = feedback_registry().get(fb_name)
     fb_options = fb_cls.options if fb_cls is not None else {}
-    comp_kw = {k: v for k, v in kv.items() if k in cls.options}
-    fb_kw = {k: v for k, v in kv.items() if k in fb_options and k not in cls.options}
+    comp_keys = set(cls.options) | set(COMMON_OPTIONS) | set(COMMON_ALIASES) | set(cls.aliases)
+    comp_kw = {k: v for k, v in kv.items() if k in comp_keys}
+    fb_kw = {k: v for k, v in kv.items() if k in fb_options and k not in comp_keys}
     unknown = sorted(set(kv) - set(comp_kw) - set(fb_kw))
     if fb_cls is not None and unknown:
-        accepted = (sorted(set(cls.options) | set(fb_options) | {"feedback"})
-                    + (["exchange"] if cls.collective != "allreduce" else []))
+        accepted = sorted(set(cls.options) | set(COMMON_OPTIONS) | set(fb_options) | {"feedback"})
         raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))} in spec {spec!r} "
                          f"(compressor '{name}', feedback '{fb_name}'); accepted: {', '.join(accepted)}")
     if fb_cls is None:  # names the bad feedback, before its keys are judged
         make_feedback(fb_name, spec=spec)
-    comp = cls(**comp_kw)
-    if comp.collective == "allreduce" and route != "auto":  # randomk:shared=1
-        raise ValueError(f"bad value {route!r} for 'exchange' in spec {spec!r}: '{name}' with these options rides "
-                         "on allreduce; accepted: auto")
-    comp.route = route
+    try:
+        comp = cls(**comp_kw)
+    except ValueError as e:
+        raise ValueError(f"{e} (in spec {spec!r})") from None
     comp.feedback = make_feedback(fb_name, comp, spec=spec, **fb_kw)
     return comp
 
@@ -133,7 +129,7 @@ def parse_auto_spec(spec: str) -> Dict[str, Any]:
         key = key.strip()
         if key in kw:
             raise ValueError(f"compression spec {spec!r}: key {key!r} given twice")
-        if key not in AUTO_OPTIONS:
+        if COMMON_ALIASES.get(key, key) not in AUTO_OPTIONS:
             raise ValueError(f"unknown key {key!r} in spec {spec!r} (compressor 'auto'); accepted: "
                              f"{', '.join(sorted(AUTO_OPTIONS) + ['candidates'])}")
         kw[key] = val.strip()

@@ -10,17 +10,18 @@ v grows with the square of the burst and the summed step shrinks about tenfold. 
 quantizers (QSGD, TernGrad) inflate v with their variance the same way, and training falls far
 behind the uncompressed run.
 
-What. (1) The first ``variance_warmup`` exchanges are sent dense (the exact average), so the
+What. (1) The dense warm-up, the first ``warmup`` exchanges, is sent dense (the exact average), so the
 optimizer's second moment is estimated from true gradients. (2) From then on it is frozen at
 its bias-corrected value V: Adam becomes momentum SGD under a fixed diagonal preconditioner,
 which is linear in the gradient, so the delayed sums of error feedback add up as under SGD.
 
 Warm-up length: for top-k and dgc a longer dense warm-up does worse after the switch
-(``benchmarks/defaults_check.py`` with ``variance_warmup=N``): gradients shrink as training
+(``benchmarks/defaults_check.py`` with ``warmup=N``): gradients shrink as training
 goes on, and a moment frozen from the first, largest gradients keeps the bursts of error
 feedback in check. Sparsifiers, quantizers and PowerSGD therefore default to 0 (frozen from the
 first step). The error-feedback sign codecs (efsignsgd, onebit) diverge without a warm-up
-and keep 1-bit Adam's, 200 exchanges (``Compressor.default_variance_warmup``).
+and keep 1-bit Adam's, 200 exchanges (``Compressor.default_warmup``); PowerSGD keeps its own
+warm-up, 100 exchanges, so its moment is frozen when that ends.
 
 How, without re-implementing the optimizer. Before each step the state is set so that the
 optimizer's own update lands exactly on the frozen value. For the Adam family (Adam, AdamW,
@@ -31,9 +32,9 @@ gradient plus L2 weight decay where the optimizer adds it). V is kept here and s
 optimizer's ``state_dict``, so a resumed run continues exactly. Optimizers not listed (Adamax,
 custom ones) keep a live second moment.
 
-Spec keys (every compressor): ``variance=auto|freeze|live`` (auto: freeze when the optimizer
-is one of the above and the codec keeps an error-feedback memory -- see ``needs_freeze``) and
-``variance_warmup=N`` dense exchanges (default 0; efsignsgd and onebit 200).
+Spec keys (every compressor, :mod:`hvd_ext.compression.common`): ``variance=auto|freeze|live``
+(auto: freeze when the optimizer is one of the above and the codec keeps an error-feedback memory
+-- see ``needs_freeze``) and ``warmup=N`` dense exchanges (old name ``variance_warmup``).
 """
 from __future__ import annotations
 
@@ -42,10 +43,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .compression.common import VARIANCE_CHOICES
 from .feedback.base import NoFeedback
-
-VARIANCE_CHOICES = ("auto", "freeze", "live")
-DEFAULT_WARMUP = 0
 
 def _rule(optimizer) -> Optional[str]:
     """Which second-moment update ``optimizer`` uses: 'adam', 'rmsprop', 'adagrad' or None."""
@@ -97,7 +96,7 @@ class VarianceFreeze:
         mode = getattr(compressor, "variance", "auto")
         if mode not in VARIANCE_CHOICES:
             raise ValueError(f"variance must be one of {', '.join(VARIANCE_CHOICES)}, got {mode!r}")
-        warmup = int(getattr(compressor, "variance_warmup", DEFAULT_WARMUP))
+        warmup = compressor.warmup_length(frozen_moment=True)
         kind = adaptive_kind(optimizer)
         if mode == "live" or kind is None or (mode == "auto" and not needs_freeze(compressor)):
             return None
@@ -111,7 +110,7 @@ class VarianceFreeze:
                     else f"{kind}'s second moment is frozen at its first value")
             warnings.warn(f"hvd_ext: {kind} with lossy compression '{compressor.name}': {when} (1-bit Adam, Tang "
                           f"et al. 2021) so error feedback adds up as under SGD. Put variance=live in the compression "
-                          f"spec to keep it live, variance_warmup=N for N dense exchanges first.", stacklevel=3)
+                          f"spec to keep it live, warmup=N for N dense exchanges first.", stacklevel=3)
         return cls(optimizer, warmup, names)
 
     # ---- called by the optimizer around each local update ---------------------------------

@@ -15,17 +15,11 @@ both steps run at the first exchange of each world.
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Dict, List, Optional
 
 from .compression.base import Compressor
-
-
-def horovod_elastic() -> bool:
-    """True when this process runs under an elastic ``horovodrun`` (``--min-np``/``--max-np``,
-    host discovery): workers may join later, so no collective may run at construction."""
-    return os.environ.get("HOROVOD_ELASTIC", "0").strip() not in ("", "0")
+from .exchange.transport import horovod_elastic
 
 
 def world_of(exchange) -> tuple:

@@ -29,33 +29,8 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 import torch
 
 from ..options import Option, resolve_options
-
-COLLECTIVES = ("allreduce", "allgather")
-# How an allgather codec's bucket travels (spec key ``exchange=``; see hvd_ext.exchange.routes).
-ROUTE_CHOICES = ("auto", "allgather", "twophase")
-# Spec key ``hierarchy=``: auto = node-aware (dense inside a node, compressed across nodes) when the job
-# spans several nodes of several ranks and the cost model says it pays; flat = one exchange over all ranks.
-HIERARCHY_CHOICES = ("auto", "flat")
-HIERARCHY_OPTION = Option(str, "auto", choices=HIERARCHY_CHOICES,
-                          help="auto: node-aware exchange (dense inside a node, compressed across nodes) on "
-                               "multi-node jobs when the cost model says it pays; flat: never")
-# Spec key ``hierarchy_trial=``: with hierarchy=auto, exchanges each of the flat and the node-aware
-# exchange runs when the cost model cannot separate them (hvd_ext.route_trial); 0 trusts the model.
-HIERARCHY_TRIAL_OPTION = Option(int, 20, "int >= 0", lambda v: v >= 0,
-                                help="with hierarchy=auto on a multi-node job: exchanges each of flat and node-aware "
-                                     "runs when the cost model predicts them within 3x (0: trust the model)")
-# Spec keys ``variance=`` / ``variance_warmup=``: adaptive optimizers (Adam...) under a lossy codec get a
-# dense warm-up and then a frozen second moment (hvd_ext.variance_freeze, 1-bit Adam).
-VARIANCE_OPTIONS = {
-    "variance": Option(str, "auto", choices=("auto", "freeze", "live"),
-                       help="auto: with Adam/AdamW/NAdam/RAdam/RMSprop/Adagrad and a lossy codec, dense warm-up "
-                            "then the optimizer's second moment frozen (1-bit Adam); freeze: always; live: never"),
-}
-
-
-def variance_warmup_option(default: int) -> Option:
-    return Option(int, default, "int >= 0", lambda v: v >= 0,
-                  help="dense exchanges before the second moment is frozen")
+# The options every codec takes (route, hierarchy, variance, warm-up), parsed once by Compressor.__init__.
+from .common import COLLECTIVES, COMMON_ALIASES, COMMON_OPTIONS, HIERARCHY_CHOICES, ROUTE_CHOICES  # noqa: F401
 
 
 @dataclass
@@ -140,20 +115,21 @@ class Compressor:
     # True when the codec sends one payload per bucket rather than per tensor (topk scope=model, sig: a
     # budget spanning tensors) on the routes that carry whole payloads (allgather, sparse_rs).
     bucket_flat: ClassVar[bool] = False
-    # Options every registered codec takes (``register`` adds them to ``options``); these class values
-    # hold for a codec built otherwise (a Horovod-style codec the optimizer wraps).
-    hierarchy: ClassVar[str] = "auto"
-    hierarchy_trial: ClassVar[int] = 0
+    # Old spellings of this codec's own option keys: {old key: key} (PowerSGD's start_step is warmup).
+    aliases: ClassVar[Dict[str, str]] = {}
+    # The common options (.common) a codec built without ``Compressor.__init__`` holds (a Horovod-style
+    # codec the optimizer wraps): no node-aware trial, no warm-up of its own.
+    route: str = "auto"
+    hierarchy: str = "auto"
+    hierarchy_trial: int = 0
+    variance: str = "auto"
+    warmup: Optional[int] = None
     # True when decode(encode(g)) == g up to float rounding (none, fp16, bf16): no error feedback, and an
     # adaptive optimizer's second moment is left live (hvd_ext.variance_freeze).
     lossless: ClassVar[bool] = False
     # True when nothing keeps a decoded result past the step (none, fp16, bf16): the exchange may then
     # reuse its fused buffers from step to step instead of allocating them anew.
     transient_results: ClassVar[bool] = False
-    # Dense exchanges before an adaptive optimizer's second moment is frozen (spec key variance_warmup=):
-    # 0 for sparsifiers and quantizers, whose frozen moment is safest taken from the first, largest
-    # gradients; the error-feedback sign codecs need 1-bit Adam's warm-up (they diverged without it).
-    default_variance_warmup: ClassVar[int] = 0
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -162,12 +138,30 @@ class Compressor:
             cls.collective = legacy
 
     def __init__(self, **kwargs):
-        self.opts = resolve_options(f"compressor '{self.name}'", self.options, kwargs)
-        for k, v in self.opts.items():
+        """``kwargs``: this codec's ``options`` and the common ones (:mod:`.common`), checked in one pass
+        so an unknown key is named with everything accepted."""
+        owner = f"compressor '{self.name}'"
+        given = resolve_options(owner, {**self.options, **COMMON_OPTIONS}, kwargs,
+                                aliases={**COMMON_ALIASES, **self.aliases})
+        self.opts = {k: given[k] for k in self.options}
+        self.common = {k: given[k] for k in COMMON_OPTIONS}
+        for k, v in given.items():
             setattr(self, k, v)
         self.feedback = None  # set by compression_from_spec / DistributedOptimizer
-        self.route = "auto"   # spec key exchange=: auto | allgather | twophase
         self.validate()
+        if self.collective == "allreduce" and self.route != "auto":  # e.g. randomk:shared=1
+            raise ValueError(f"{owner}: bad value {self.route!r} for 'route': with these options it rides on "
+                             "allreduce; accepted: auto")
+
+    def default_warmup(self, frozen_moment: bool) -> int:
+        """Dense exchanges before the codec when the spec gives no ``warmup=``. ``frozen_moment``: an
+        adaptive optimizer's second moment will be frozen when the warm-up ends. Default 0: a moment
+        frozen from the first, largest gradients keeps the bursts of error feedback in check."""
+        return 0
+
+    def warmup_length(self, frozen_moment: bool = False) -> int:
+        """The dense warm-up this codec runs: ``warmup=`` if given, else ``default_warmup``."""
+        return int(self.warmup) if self.warmup is not None else int(self.default_warmup(frozen_moment))
 
     def validate(self) -> None:
         """Cross-option checks; raise ValueError naming the problem."""
@@ -266,8 +260,7 @@ class Compressor:
 
     def spec(self) -> str:
         items = [f"{k}={v}" for k, v in self.opts.items() if v != self.options[k].default]
-        if getattr(self, "route", "auto") != "auto":
-            items.append(f"exchange={self.route}")
+        items += [f"{k}={v}" for k, v in getattr(self, "common", {}).items() if v != COMMON_OPTIONS[k].default]
         fb = getattr(self, "feedback", None)
         if fb is not None:
             if fb.name != self.default_feedback:
@@ -291,12 +284,9 @@ def register(name: str):
         if cls.collective not in COLLECTIVES:
             raise RuntimeError(f"{cls.__name__}.collective must be one of {COLLECTIVES}")
         cls.name = name
-        if "hierarchy" not in cls.options:  # every compressor accepts hierarchy=auto|flat
-            cls.options = {**cls.options, "hierarchy": HIERARCHY_OPTION}
-        if "hierarchy_trial" not in cls.options:
-            cls.options = {**cls.options, "hierarchy_trial": HIERARCHY_TRIAL_OPTION}
-        extra = dict(VARIANCE_OPTIONS, variance_warmup=variance_warmup_option(cls.default_variance_warmup))
-        cls.options = {**cls.options, **{k: o for k, o in extra.items() if k not in cls.options}}
+        shared = sorted(set(cls.options) & set(COMMON_OPTIONS))
+        if shared:
+            raise RuntimeError(f"{cls.__name__} declares {shared}: every codec takes these (compression.common)")
         _REGISTRY[name] = cls
         return cls
 

@@ -14,11 +14,13 @@ All four parts of the paper:
 2. **Local gradient clipping**: ``clip`` (feedback option) clips each
    tensor's local gradient norm to clip / sqrt(N) before it is accumulated
    (the paper clips the model's gradient; we clip per tensor).
-4. **Warm-up of sparsity**: the density (fraction sent) decays exponentially
+4. **Warm-up of sparsity** (the sparsity ramp): the density (fraction sent) decays exponentially
    from ``start_ratio`` (0.25 = 75% sparsity) to ``ratio`` (0.001 = 99.9%)
-   over the first ``warmup_steps`` exchanges, in ``warmup_stages`` constant
+   over the first ``ramp_steps`` exchanges, in ``ramp_stages`` constant
    stages (the paper: 4 epochs, 75%, 93.75%, 98.4375%, 99.6%, then 99.9%), or
-   continuously with ``warmup_stages=0``. ``info.step`` (identical on every
+   continuously with ``ramp_stages=0``. (Named ``ramp`` so it is not taken for
+   the dense warm-up, ``warmup=``, that every codec has; the old keys
+   ``warmup_steps`` / ``warmup_stages`` still spell it.) ``info.step`` (identical on every
    rank) drives it, so all ranks agree.
 
 Selection: threshold estimated on a sample (``mode=sampled``, the paper's
@@ -33,7 +35,7 @@ import torch
 from ..options import Option, fraction, non_negative
 from ._sparse import SparseCompressor, abs_score, bucket_abs, count_for, payload_bytes
 from .base import register
-from .topk import COMMON_OPTIONS
+from .topk import SELECTION_OPTIONS
 
 
 @register("dgc")
@@ -41,32 +43,34 @@ class DGCCompressor(SparseCompressor):
     default_feedback = "dgc_momentum"
     accepted_feedback = ("dgc_momentum",)
     options = dict(
-        COMMON_OPTIONS,
+        SELECTION_OPTIONS,
         ratio=Option(float, 0.01, "0 < ratio <= 1", fraction, help="final density (1 - sparsity)"),
         mode=Option(str, "sampled", choices=("exact", "sampled"), help="sampled threshold or exact top-k"),
-        start_ratio=Option(float, 0.25, "ratio <= start_ratio <= 1 (checked when warmup_steps > 0)", fraction,
-                           help="density at step 0 of the warm-up"),
-        warmup_steps=Option(int, 0, "integer >= 0", non_negative,
-                            help="exchanges over which the density decays to ratio (0 = no warm-up)"),
-        warmup_stages=Option(int, 4, "integer >= 0", non_negative,
-                             help="constant stages of the warm-up (0 = continuous)"),
+        start_ratio=Option(float, 0.25, "ratio <= start_ratio <= 1 (checked when ramp_steps > 0)", fraction,
+                           help="density at step 0 of the ramp"),
+        ramp_steps=Option(int, 0, "integer >= 0", non_negative,
+                          help="exchanges over which the density decays to ratio (0 = no ramp)"),
+        ramp_stages=Option(int, 4, "integer >= 0", non_negative,
+                           help="constant stages of the ramp (0 = continuous)"),
         scope=Option(str, "model", choices=("layer", "model"),
                      help="density per tensor, or one selection over a whole bucket (as topk)"),
     )
 
+    aliases = {"warmup_steps": "ramp_steps", "warmup_stages": "ramp_stages"}
+
     def validate(self):
-        if self.warmup_steps > 0 and self.start_ratio < self.ratio:
+        if self.ramp_steps > 0 and self.start_ratio < self.ratio:
             raise ValueError(f"compressor 'dgc': start_ratio={self.start_ratio} must be >= ratio={self.ratio} "
-                             "(the warm-up only increases sparsity)")
+                             "(the ramp only increases sparsity)")
 
     def density(self, step: int) -> float:
         """Fraction of coordinates sent at exchange ``step``."""
-        W = self.warmup_steps
+        W = self.ramp_steps
         if W <= 0 or step >= W:
             return self.ratio
         frac = step / W
-        if self.warmup_stages > 0:
-            frac = math.floor(frac * self.warmup_stages) / self.warmup_stages
+        if self.ramp_stages > 0:
+            frac = math.floor(frac * self.ramp_stages) / self.ramp_stages
         return self.start_ratio * (self.ratio / self.start_ratio) ** frac
 
     def sparsity(self, step: int) -> float:

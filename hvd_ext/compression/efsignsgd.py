@@ -31,11 +31,13 @@ from .signsgd import bits_to_sign, sign_aggregate_cpu, sign_bits, sign_compress_
 
 @register("efsignsgd")
 class EFSignSGDCompressor(Compressor):
-    default_variance_warmup = 200  # 1-bit Adam's warm-up: without it these diverged under Adam
     collective = "allgather"
     default_feedback = "residual"
     options = {"bucket": Option(int, 1024, "integer >= 0 (0 = one scale per tensor)", non_negative,
                                 help="coordinates per scale")}
+
+    def default_warmup(self, frozen_moment: bool) -> int:
+        return 200 if frozen_moment else 0  # 1-bit Adam's warm-up: under Adam these diverged without it
 
     def bind_optimizer(self, optimizer):
         # SGD only: under Adam, 1-bit Adam's dense warm-up and frozen second moment apply instead

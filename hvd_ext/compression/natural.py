@@ -23,6 +23,7 @@ from . import _quant
 from ..ops import cpu_kernels as _cpu
 from .base import Compressor, register
 from ..ops.bits import packed_bytes
+from ..ops.hashing import hash32
 
 _MANT = 1 << 23
 
@@ -46,7 +47,7 @@ class NaturalCompressor(Compressor):
             u = torch.randint(0, _MANT, (n,), generator=g)
         else:  # on a device from the counter hash (no generator there, nothing to copy)
             key = _cpu.stream_key_tensor(self.seed, info.name, info.rank, info.step)
-            u = _cpu.hash32(torch.arange(n, dtype=torch.int32, device=flat.device), key) & (_MANT - 1)
+            u = hash32(torch.arange(n, dtype=torch.int32, device=flat.device), key) & (_MANT - 1)
         sub = exp == 0  # zero or subnormal: |x| = mant * 2^-149, round to 0 or 2^-126 (exp 1)
         up = u < mant
         exp = exp + up.long()

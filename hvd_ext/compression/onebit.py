@@ -65,11 +65,13 @@ _DECODE_SUM = _cpu.Kernel(_decode_sum, "onebit decode")
 
 @register("onebit")
 class OneBitCompressor(Compressor):
-    default_variance_warmup = 200  # 1-bit Adam's warm-up: without it these diverged under Adam
     collective = "allgather"
     default_feedback = "residual"
     options = {"bucket": Option(int, 1024, "integer >= 0 (0 = one pair per tensor)", non_negative,
                                 help="coordinates per pair of reconstruction values")}
+
+    def default_warmup(self, frozen_moment: bool) -> int:
+        return 200 if frozen_moment else 0  # 1-bit Adam's warm-up: under Adam these diverged without it
 
     def bind_optimizer(self, optimizer):
         compress_momentum(self, optimizer, adam=False)  # before the feedback takes the momentum over

@@ -19,10 +19,11 @@ sum over ranks of memory + N * applied update = sum of the ranks' inputs.
 Tensors with fewer than 2 dimensions, and matrices where low rank does not save at
 least a factor ``min_compression`` (``n * m < min_compression * (n + m) * r``),
 are sent uncompressed (dense, original dtype) in the first round; so are all
-tensors before step ``start_step`` (DDP's ``start_powerSGD_iter`` warm-up).
+tensors during the dense warm-up, ``warmup=`` exchanges (DDP's ``start_powerSGD_iter``;
+the old key ``start_step`` still spells it).
 Effective rank ``r = min(rank, n, m)``.
 
-Defaults ``rank=4, start_step=100``: Vogels et al. use rank 2-4 (rank 4 for their
+Defaults ``rank=4, warmup=100``: Vogels et al. use rank 2-4 (rank 4 for their
 language model) and DDP's hook runs dense for its first ``start_powerSGD_iter``
 steps (default 1000; "about 10% of training"). In an ordinary loop a lower rank, or
 no dense warm-up, converges clearly slower (``benchmarks/defaults_check.py``).
@@ -49,9 +50,13 @@ class PowerSGDCompressor(Compressor):
         "rank": Option(int, 4, "integer >= 1", positive),
         "min_compression": Option(float, 2.0, "min_compression >= 1", lambda v: v >= 1),
         "warm_start": Option(bool, True, "0 or 1"),
-        "start_step": Option(int, 100, "integer >= 0", non_negative),
         "seed": Option(int, 0, "integer >= 0", non_negative),
     }
+
+    aliases = {"start_step": "warmup"}
+
+    def default_warmup(self, frozen_moment: bool) -> int:
+        return 100  # DDP's start_powerSGD_iter warm-up (module docstring)
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -100,7 +105,7 @@ class PowerSGDCompressor(Compressor):
 
     # ---- codec ----------------------------------------------------------------------------------
     def compress(self, tensor, info):
-        ms = self.matrix_shape(info.shape) if info.step >= self.start_step else None
+        ms = self.matrix_shape(info.shape) if info.step >= self.warmup_length() else None
         if ms is None:
             return tensor.reshape(-1), ("dense",)
         n, m, r = ms

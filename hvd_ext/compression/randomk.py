@@ -51,18 +51,18 @@ class RandomKCompressor(Compressor):
     collective = "allgather"
     sparse = True
     default_feedback = "residual"
-    default_variance_warmup = 10  # Adam: second moment from 10 dense exchanges, then frozen (module docstring)
     options = {
         "ratio": Option(float, 0.1, "0 < ratio <= 1", fraction, help="fraction of coordinates sent"),
         "shared": Option(bool, False, "0 or 1", help="same indices on every rank (rides on allreduce)"),
         "seed": Option(int, 0, "integer >= 0", non_negative),
     }
 
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        if self.shared:
-            # Instance attribute: the route is chosen from it.
-            self.collective = "allreduce"
+    def default_warmup(self, frozen_moment: bool) -> int:
+        return 10 if frozen_moment else 0  # Adam: second moment from 10 dense exchanges, then frozen (module docstring)
+
+    def validate(self) -> None:
+        if self.shared:  # same indices on every rank: the payloads sum, so they ride on allreduce
+            self.collective = "allreduce"  # instance attribute: the route is chosen from it
 
     def indices(self, info, device=None) -> torch.Tensor:
         """k indices drawn without replacement from (seed, step, name[, rank]): on the host the first k

@@ -32,13 +32,13 @@ from ..ops.device import read
 from ..options import Option, non_negative, positive
 from ._sparse import SparseCompressor, abs_score, count_for, payload_bytes, split_budget
 from .base import register
-from .topk import COMMON_OPTIONS
+from .topk import SELECTION_OPTIONS
 
 
 @register("sig")
 class SignificanceCompressor(SparseCompressor):
     options = dict(
-        COMMON_OPTIONS,
+        SELECTION_OPTIONS,
         alpha=Option(float, 1.0, "alpha >= 0", non_negative, help="exponent of the parameter factor"),
         eps=Option(float, 1e-3, "eps > 0", positive, help="added to |w| before the power"),
         split=Option(str, "mass", choices=("mass", "global", "layer"), help="how the budget is split"),

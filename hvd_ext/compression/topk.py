@@ -34,7 +34,7 @@ from ..options import Option, fraction, non_negative
 from ._sparse import SparseCompressor, abs_score, bucket_abs, count_for, payload_bytes
 from .base import register
 
-COMMON_OPTIONS = {
+SELECTION_OPTIONS = {
     "ratio": Option(float, 0.01, "0 < ratio <= 1", fraction, help="fraction of coordinates sent"),
     "mode": Option(str, "exact", choices=("exact", "sampled"), help="exact top-k or sampled threshold"),
     "values": Option(str, "fp32", choices=("fp32", "fp16"), help="value precision on the wire"),
@@ -45,7 +45,7 @@ COMMON_OPTIONS = {
 
 @register("topk")
 class TopKCompressor(SparseCompressor):
-    options = dict(COMMON_OPTIONS, scope=Option(str, "model", choices=("layer", "model"),
+    options = dict(SELECTION_OPTIONS, scope=Option(str, "model", choices=("layer", "model"),
                                                 help="budget per tensor or over a whole bucket"))
 
     def __init__(self, **kw):

@@ -336,6 +336,12 @@ class GroupTransport(Transport):
         return self.allgather_object(obj if self._rank == root else None, name)[root]
 
 
+def horovod_elastic() -> bool:
+    """True when this process runs under an elastic ``horovodrun`` (``--min-np``/``--max-np``,
+    host discovery): workers may join later, so no collective may run at construction."""
+    return os.environ.get("HOROVOD_ELASTIC", "0").strip() not in ("", "0")
+
+
 def dynamic_process_sets() -> bool:
     """True when Horovod may add process sets after ``hvd.init`` (``HOROVOD_DYNAMIC_PROCESS_SETS``)."""
     return os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").strip().lower() in ("1", "true", "yes", "on")

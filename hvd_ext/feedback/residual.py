@@ -16,7 +16,7 @@ handed the average divided by ``1 - b1^t`` (t counted per tensor), which is Adam
 own moment when nothing is dropped. The second moment should then be frozen
 (``hvd_ext.variance_freeze``, 1-bit Adam): a live one would average the squared
 moment it is handed, not the squared gradient. During a dense warm-up
-(``variance_warmup=N``) this feedback is bypassed, so those N steps run without a
+(``warmup=N``) this feedback is bypassed, so those N steps run without a
 first moment.
 Defaults (``compress_momentum``): the error-feedback sign codecs (efsignsgd,
 onebit) under SGD momentum, randomk under SGD momentum and the Adam family. Not

@@ -17,16 +17,23 @@ high bits of the last byte are zero.
 
 Wire bytes: ``packed_bytes(n, bits) = ceil(n * bits / 8)``.
 
-Implementation: 8 codes always fill exactly ``bits`` bytes, so codes are
-grouped in eights, combined into one 64-bit word (``bits * 8 <= 56`` bits for
-bits < 8) and the word's low ``bits`` bytes are emitted little-endian.
-``bits == 8`` is the identity.
+Implementation (written here only; ``ops.cpu_kernels`` runs the same word-level functions
+compiled): 8 codes always fill exactly ``bits`` bytes. The 8 codes of a group are written one per
+byte, zero-padded to a multiple of 8, so that the int64 view of those bytes holds the group, code t
+in byte t (little-endian). :func:`squeeze_words` squeezes the low ``bits`` bits of those bytes
+together (three shift-or-mask steps: pairs, quads, octets) into the group's ``8 * bits``-bit field
+``c_0 | c_1 << bits | ... | c_7 << 7 bits``, whose low ``bits`` bytes are the group's bytes under the
+contract; :func:`expand_words` runs the steps backwards. Every load and store is contiguous, so the
+compiled loops vectorise (no per-element division, no gather). ``bits == 8`` is the identity.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-__all__ = ["pack_bits", "unpack_bits", "packed_bytes"]
+__all__ = ["pack_bits", "unpack_bits", "packed_bytes", "squeeze_words", "expand_words", "pack_words",
+           "unpack_words", "words_to_bytes", "bytes_to_words", "WORD_DTYPE"]
 
 
 def _check_bits(bits) -> int:
@@ -59,17 +66,11 @@ def pack_bits(codes: torch.Tensor, bits: int, check: bool = True) -> torch.Tenso
         raise ValueError(f"codes must lie in [0, {1 << bits}) for bits={bits}")
     if bits == 8:
         return flat.to(torch.uint8).clone()
-    groups = (n + 7) // 8
-    c = torch.zeros(groups * 8, dtype=torch.int64, device=flat.device)
-    # only the low ``bits`` bits of a code are used (as in the CUDA kernel); a no-op for codes
-    # in range, and with check=False an out-of-range code cannot spill into its neighbours
-    c[:n] = flat.to(torch.int64) & ((1 << bits) - 1)
-    c = c.view(groups, 8)
-    shifts = torch.arange(8, device=flat.device, dtype=torch.int64) * bits
-    word = (c << shifts).sum(dim=1)  # disjoint bit fields: sum == bitwise or
-    byte_shifts = torch.arange(bits, device=flat.device, dtype=torch.int64) * 8
-    out = ((word.unsqueeze(1) >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
-    return out[:packed_bytes(n, bits)].contiguous()
+    # only the low ``bits`` bits of a code are used (as in the CUDA kernel); with check=False an
+    # out-of-range code cannot spill into its neighbours (squeeze_words masks the bytes of uint8 codes)
+    buf = torch.zeros(8 * ((n + 7) // 8), dtype=torch.uint8, device=flat.device)
+    buf[:n] = flat if flat.dtype == torch.uint8 else flat & ((1 << bits) - 1)
+    return words_to_bytes(pack_words(buf.view(torch.int64), bits), bits, packed_bytes(n, bits))
 
 
 def unpack_bits(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -84,12 +85,79 @@ def unpack_bits(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
                          f"(need {need})")
     if bits == 8:
         return flat[:n].clone()
-    groups = (n + 7) // 8
-    b = torch.zeros(groups * bits, dtype=torch.int64, device=flat.device)
-    b[:need] = flat[:need].to(torch.int64)
-    b = b.view(groups, bits)
-    byte_shifts = torch.arange(bits, device=flat.device, dtype=torch.int64) * 8
-    word = (b << byte_shifts).sum(dim=1)
-    shifts = torch.arange(8, device=flat.device, dtype=torch.int64) * bits
-    codes = (word.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(-1)[:n].to(torch.uint8)
+    g = (n + 7) // 8
+
+    def buffer(tag: str, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=torch.uint8, device=flat.device)
+    words = bytes_to_words(flat[:need], bits, g, buffer)
+    return unpack_words(words, bits).view(torch.uint8)[:n]
+
+
+# ---- word level: eight codes per 64-bit word (the packing arithmetic) ------------------------------
+
+def _masks(bits: int):
+    """(low ``bits`` of each byte, of each 16-bit lane; low 2*bits of each 32-bit lane; low 4*bits)."""
+    return (0x0101010101010101 * ((1 << bits) - 1), 0x0001000100010001 * ((1 << bits) - 1),
+            0x0000000100000001 * ((1 << 2 * bits) - 1), (1 << 4 * bits) - 1)
+
+
+def squeeze_words(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 words of 8 one-byte codes -> int64 words holding the 8*bits-bit packed group (bits < 8)."""
+    m0, a, b, c = _masks(bits)
+    w = w & m0
+    w = (w & a) | (((w >> 8) & a) << bits)
+    w = (w & b) | (((w >> 16) & b) << 2 * bits)
+    return (w & c) | (((w >> 32) & c) << 4 * bits)
+
+
+def expand_words(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`squeeze_words`: int64 packed groups -> int64 words of 8 one-byte codes."""
+    m0, a, b, c = _masks(bits)
+    v = (v & c) | (((v >> 4 * bits) & c) << 32)
+    v = (v & b) | (((v >> 2 * bits) & b) << 16)
+    return (v & a) | (((v >> bits) & a) << 8)
+
+
+# a group of 1, 2 or 4 bytes is one word of this dtype; 3, 5, 6 or 7 bytes sit in an int64 word
+WORD_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def pack_words(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 words of 8 one-byte codes -> one packed word per group (:data:`WORD_DTYPE`, else int64)."""
+    v = squeeze_words(w, bits)
+    return v.to(WORD_DTYPE[bits]) if bits in WORD_DTYPE else v
+
+
+def unpack_words(d: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_words`: packed words (from :func:`bytes_to_words`) -> int64 words of 8
+    one-byte codes."""
+    return expand_words(d.to(torch.int64) & ((1 << 8 * bits) - 1), bits)
+
+
+def words_to_bytes(v: torch.Tensor, bits: int, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` bytes of the stream of :func:`pack_words`' words ``v`` (uint8, a view of
+    ``v`` when its groups are whole words)."""
+    if bits in WORD_DTYPE:
+        return v.view(torch.uint8)[:nbytes]
+    return v.view(torch.uint8).view(-1, 8)[:, :bits].reshape(-1)[:nbytes]
+
+
+def bytes_to_words(d: torch.Tensor, bits: int, g: int, buffer: Callable[[str, int], torch.Tensor]) -> torch.Tensor:
+    """The packed stream ``d`` (uint8, 1-D) as the ``g`` words :func:`unpack_words` takes, zero past
+    the stream. ``buffer(tag, numel)`` gives the uint8 temporaries (tags ``"/in"``, ``"/grid"``);
+    ``d`` itself is viewed when it holds whole, aligned words."""
+    nbytes = d.numel()
+    if bits in WORD_DTYPE:
+        if nbytes != g * bits or d.storage_offset() % bits or d.stride(0) != 1:
+            pad = buffer("/in", g * bits)
+            pad[nbytes:].zero_()
+            pad[:nbytes].copy_(d)
+            d = pad
+        return d.view(WORD_DTYPE[bits])
+    pad = buffer("/in", 8 * g)
+    pad[nbytes:].zero_()  # bytes past the stream, then each group's bytes moved to an 8-byte slot
+    pad[:nbytes].copy_(d)
+    grid = buffer("/grid", 8 * g).view(g, 8)
+    grid[:, bits:].zero_()
+    grid[:, :bits].copy_(pad[:g * bits].view(g, bits))
+    return grid.view(torch.int64).view(-1)

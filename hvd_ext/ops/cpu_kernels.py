@@ -23,7 +23,8 @@ Three tools keep the CPU codecs near memory bandwidth:
 * **Counter-based random numbers** for stochastic rounding
   (:func:`uniform`): element i of a stream gets ``hash(key ^ i)``, the 32-bit
   integer finaliser "lowbias32" (C. Wellons, "Prospecting for hash functions",
-  2018) -- the same hash as ``hvd_ext.ops.cuda_kernels.hash_u32`` and the CUDA kernels --
+  2018), written once in ``hvd_ext.ops.hashing`` (also behind ``cuda_kernels.hash_u32``
+  and the same as the CUDA kernels' hash) --
   with the top 24 bits as ``u = h / 2^24`` in [0, 1). Stateless: a rank's
   rounding is a function of (seed, tensor name, rank, step, i), so checkpoints
   resume exactly and compiled and eager paths agree bit for bit. No generator
@@ -47,10 +48,12 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from ..ops import bits as _bits
 from ..ops import cuda_kernels as _K
+from ..ops.hashing import hash32, mix32_, signed32
 
-__all__ = ["Kernel", "compile_enabled", "uniform", "hash32", "stream_key_tensor", "codes_buffer",
-           "pack_buffer", "unpack_to_buffer", "squeeze_words", "expand_words", "scratch", "empty"]
+__all__ = ["Kernel", "compile_enabled", "uniform", "stream_key_tensor", "codes_buffer",
+           "pack_buffer", "unpack_to_buffer", "scratch", "empty"]
 
 _SETTING = os.environ.get("HVD_EXT_COMPILE", "auto").strip().lower()
 MIN_NUMEL = int(os.environ.get("HVD_EXT_COMPILE_MIN", str(1 << 20)))
@@ -132,33 +135,14 @@ class Kernel:
         return self.fn(*args, **static)
 
 
-# ---- counter-based uniform numbers ---------------------------------------------------------
-
-_C1 = 0x7FEB352D
-_C2 = 0x846CA68B - (1 << 32)  # as a signed int32
-
-
-def _i32(v: int) -> int:
-    v &= 0xFFFFFFFF
-    return v - (1 << 32) if v >= (1 << 31) else v
-
+# ---- counter-based uniform numbers (the hash: ``ops.hashing``) -------------------------------
 
 def stream_key_tensor(seed: int, name: str, rank: int, step: int) -> torch.Tensor:
     """0-d int32 key of the stream of (seed, name, rank, step): ``kernels.stream_key(derive_seed(...), step)``,
     as the CUDA quantizers use. A CPU scalar tensor: usable with tensors on any device, nothing to copy
     (and compiled kernels take it as an input, not as a constant to specialise on)."""
     key = _K.stream_key(_K.derive_seed(seed, name, rank), step)
-    return torch.tensor(_i32(key), dtype=torch.int32)
-
-
-def hash32(i: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """lowbias32(i ^ key) on int32 tensors (wrapping multiply; logical shifts by masking)."""
-    h = i ^ key
-    h = h ^ ((h >> 16) & 0xFFFF)
-    h = h * _C1
-    h = h ^ ((h >> 15) & 0x1FFFF)
-    h = h * _C2
-    return h ^ ((h >> 16) & 0xFFFF)
+    return torch.tensor(signed32(key), dtype=torch.int32)
 
 
 def uniform(numel: int, key: torch.Tensor, device=None) -> torch.Tensor:
@@ -174,64 +158,20 @@ def _uniform_inplace(numel: int, key: torch.Tensor, device=None) -> torch.Tensor
     """Eager :func:`uniform` for large tensors: the same hash on one int32 buffer and one temporary,
     in place (the eager fallback would otherwise map a fresh temporary per operation)."""
     h = torch.arange(numel, dtype=torch.int32, device=device)
-    t = torch.empty_like(h)
-    h.bitwise_xor_(key)
-    for shift, mask, mul in ((16, 0xFFFF, _C1), (15, 0x1FFFF, _C2), (16, 0xFFFF, None)):
-        torch.bitwise_right_shift(h, shift, out=t)
-        h.bitwise_xor_(t.bitwise_and_(mask))
-        if mul is not None:
-            h.mul_(mul)
+    mix32_(h.bitwise_xor_(key), torch.empty_like(h))
     h.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
     return h.to(torch.float32).mul_(2.0 ** -24)
 
 
-# ---- bit packing: eight codes per 64-bit word ----------------------------------------------------
+# ---- bit packing: eight codes per 64-bit word (the arithmetic: ``ops.bits``) ----------------------
 #
-# Codes are first written one per byte (uint8, padded with zeros to a multiple of 8), so that the
-# int64 view holds the 8 codes of a group, code t in byte t. Squeezing the low ``bits`` bits of
-# those bytes together (three shift-or-mask steps: pairs, quads, octets) gives the group's
-# ``8 * bits``-bit field c_0 | c_1 << bits | ... | c_7 << 7 bits, whose low ``bits`` bytes are
-# exactly the group's bytes under the bit order contract of ``bitpack``. Unpacking runs the steps
-# backwards. Every load and store is contiguous, so the loops vectorise (no per-element division,
-# no gather); the eager fallback runs the same few whole-tensor operations.
+# Codes are first written one per byte (uint8, padded with zeros to a multiple of 8) into a reused
+# buffer; the word-level functions of ``ops.bits`` (``pack_words`` / ``unpack_words``) run compiled
+# on its int64 view, and the byte-level steps around them (``words_to_bytes`` / ``bytes_to_words``)
+# are bits.py's too, with the temporaries taken from :func:`scratch`.
 
-def _masks(bits: int):
-    """(low ``bits`` of each byte, of each 16-bit lane; low 2*bits of each 32-bit lane; low 4*bits)."""
-    return (0x0101010101010101 * ((1 << bits) - 1), 0x0001000100010001 * ((1 << bits) - 1),
-            0x0000000100000001 * ((1 << 2 * bits) - 1), (1 << 4 * bits) - 1)
-
-
-def squeeze_words(w: torch.Tensor, bits: int) -> torch.Tensor:
-    """int64 words of 8 one-byte codes -> int64 words holding the 8*bits-bit packed group (bits < 8)."""
-    m0, a, b, c = _masks(bits)
-    w = w & m0
-    w = (w & a) | (((w >> 8) & a) << bits)
-    w = (w & b) | (((w >> 16) & b) << 2 * bits)
-    return (w & c) | (((w >> 32) & c) << 4 * bits)
-
-
-def expand_words(v: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`squeeze_words`: int64 packed groups -> int64 words of 8 one-byte codes."""
-    m0, a, b, c = _masks(bits)
-    v = (v & c) | (((v >> 4 * bits) & c) << 32)
-    v = (v & b) | (((v >> 2 * bits) & b) << 16)
-    return (v & a) | (((v >> bits) & a) << 8)
-
-
-_WORD_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-
-
-def _pack_words(w: torch.Tensor, bits: int) -> torch.Tensor:
-    v = squeeze_words(w, bits)
-    return v.to(_WORD_DTYPE[bits]) if bits in _WORD_DTYPE else v
-
-
-def _unpack_words(d: torch.Tensor, bits: int) -> torch.Tensor:
-    return expand_words(d.to(torch.int64) & ((1 << 8 * bits) - 1), bits)
-
-
-_PACK = None
-_UNPACK = None
+_PACK = Kernel(_bits.pack_words, "bit packing")
+_UNPACK = Kernel(_bits.unpack_words, "bit unpacking")
 
 
 def codes_buffer(purpose: str, n: int, device) -> torch.Tensor:
@@ -251,10 +191,7 @@ def pack_buffer(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     if bits == 8:
         return buf[:n].clone()
     w = buf.view(torch.int64)
-    v = _PACK(w.numel(), buf.device, w, bits=bits)
-    if bits in _WORD_DTYPE:
-        return v.view(torch.uint8)[:nbytes]
-    return v.view(torch.uint8).view(-1, 8)[:, :bits].reshape(-1)[:nbytes]
+    return _bits.words_to_bytes(_PACK(w.numel(), buf.device, w, bits=bits), bits, nbytes)
 
 
 def unpack_to_buffer(data: torch.Tensor, bits: int, n: int, purpose: str) -> torch.Tensor:
@@ -263,26 +200,11 @@ def unpack_to_buffer(data: torch.Tensor, bits: int, n: int, purpose: str) -> tor
     g = (n + 7) // 8
     if bits == 8:
         return data[:n]
-    nbytes = (n * bits + 7) // 8
-    d = data[:nbytes]
     out = scratch(purpose, 8 * g, torch.uint8, data.device)
-    if bits in _WORD_DTYPE:
-        width = bits  # bytes per group
-        if nbytes != g * width or d.storage_offset() % width:
-            pad = scratch(purpose + "/in", g * width, torch.uint8, data.device)
-            pad[nbytes:].zero_()
-            pad[:nbytes].copy_(d)
-            d = pad
-        words = d.view(_WORD_DTYPE[bits])
-    else:
-        pad = scratch(purpose + "/in", 8 * g, torch.uint8, data.device)
-        pad[nbytes:].zero_()  # bytes past the stream, then each group's bytes moved to an 8-byte slot
-        pad[:nbytes].copy_(d)
-        grid = scratch(purpose + "/grid", 8 * g, torch.uint8, data.device).view(g, 8)
-        grid[:, bits:].zero_()
-        grid[:, :bits].copy_(pad[:g * bits].view(g, bits))
-        pad = grid
-        words = pad.view(torch.int64).view(-1)
+
+    def buffer(tag: str, numel: int) -> torch.Tensor:
+        return scratch(purpose + tag, numel, torch.uint8, data.device)
+    words = _bits.bytes_to_words(data[:(n * bits + 7) // 8], bits, g, buffer)
     out.view(torch.int64).copy_(_UNPACK(n, data.device, words, bits=bits))
     return out[:n]
 
@@ -345,10 +267,6 @@ def padded(codes: torch.Tensor, total: int, purpose: str) -> torch.Tensor:
     buf[:n].copy_(codes)
     buf[n:].zero_()
     return buf
-
-
-_PACK = Kernel(_pack_words, "bit packing")
-_UNPACK = Kernel(_unpack_words, "bit unpacking")
 
 
 def empty(numel: int, dtype=torch.float32, device=None) -> torch.Tensor:

@@ -35,7 +35,8 @@ else ``hvd_ext/_cu/`` inside the installed package (``setup.py`` copies
 ``kernels/*.cu`` there at build time), else ``kernels/`` next to the
 ``hvd_ext`` package (source checkout, ``pip install -e .``).
 
-Counter-based random numbers (``quantize_pack``), identical in CUDA (kernels/common.cuh) and here::
+Counter-based random numbers (``quantize_pack``), identical in CUDA (kernels/common.cuh) and here
+(``mix32`` written once for torch and Python ints in ``hvd_ext.ops.hashing``)::
 
     mix32(x)        = lowbias32: x ^= x>>16; x *= 0x7feb352d; x ^= x>>15; x *= 0x846ca68b; x ^= x>>16
     stream_key(s,t) = mix32(mix32(s ^ 0x9e3779b9) ^ t)            (s, t mod 2^32)
@@ -82,6 +83,7 @@ import torch
 
 # the torch bit-packing implementation (absolute import: this file is also loaded standalone by tests)
 from hvd_ext.ops import bits as _bitpack
+from hvd_ext.ops import hashing as _hash
 from hvd_ext.ops.device import compact, expect, in_range, on_host, read, upload
 
 __all__ = [
@@ -338,46 +340,22 @@ _I32 = np.int32
 _U32 = np.uint32
 _F32 = np.float32
 _NULL = np.uint64(0)
+_M32 = _hash.M32
 
 # ---------------------------------------------------------------------------------------------
-# counter-based random numbers (python ints and int64 torch tensors; see the module docstring)
+# counter-based random numbers (python ints and int64 torch tensors; see the module docstring;
+# the hash itself: ``ops.hashing``)
 # ---------------------------------------------------------------------------------------------
-
-_M32 = 0xFFFFFFFF
-
-
-def _mix32_int(x: int) -> int:
-    x &= _M32
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _M32
-    x ^= x >> 16
-    return x
-
 
 def stream_key(seed: int, step: int) -> int:
     """32-bit key of the random stream for (seed, step)."""
-    return _mix32_int(_mix32_int((int(seed) & _M32) ^ 0x9E3779B9) ^ (int(step) & _M32))
+    return _hash.mix32_int(_hash.mix32_int((int(seed) & _M32) ^ 0x9E3779B9) ^ (int(step) & _M32))
 
 
 def derive_seed(seed: int, name: str, rank: int = 0) -> int:
     """A seed specific to a tensor name and a rank (use it so ranks round independently)."""
-    return _mix32_int(_mix32_int((int(seed) & _M32) ^ zlib.crc32(name.encode())) + (int(rank) & _M32) * 0x85EBCA6B)
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    # (x * c) mod 2^32 for 0 <= x < 2^32 without int64 overflow: split c in 16-bit halves.
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    return _hash.mix32_int(_hash.mix32_int((int(seed) & _M32) ^ zlib.crc32(name.encode()))
+                           + (int(rank) & _M32) * 0x85EBCA6B)
 
 
 def hash_u32(key: int, i: torch.Tensor, below_2_32: Optional[bool] = None) -> torch.Tensor:
@@ -386,14 +364,16 @@ def hash_u32(key: int, i: torch.Tensor, below_2_32: Optional[bool] = None) -> to
     without a read)."""
     i = i.to(torch.int64)
     lo, hi = i & _M32, i >> 32
-    key &= _M32
+    lo = (lo - ((lo >> 31) << 32)).to(torch.int32)  # the low 32 bits as an int32 (exact conversion)
+    key = _hash.signed32(key)
     if below_2_32 is None and on_host(i):
         below_2_32 = not bool((hi != 0).any())
     if below_2_32:
         k = key
-    else:
-        k = torch.where(hi != 0, _mix32(key ^ _mul32(hi, 0x9E3779B9)), torch.full_like(hi, key))
-    return _mix32(lo ^ k)
+    else:  # hi < 2^31: an exact int32; the int32 multiply wraps (mod 2^32)
+        hi = hi.to(torch.int32)
+        k = torch.where(hi != 0, _hash.mix32(hi * _hash.signed32(0x9E3779B9) ^ key), torch.full_like(hi, key))
+    return _hash.mix32(lo ^ k).to(torch.int64) & _M32
 
 
 def uniform(key: int, i: torch.Tensor, below_2_32: Optional[bool] = None) -> torch.Tensor:

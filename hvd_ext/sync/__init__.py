@@ -35,8 +35,8 @@ from .param_server import ParameterServer, init_horovod, require_mpi_controller
 
 # spec key -> constructor keyword (short spellings used on the command line)
 _ALIASES = {
-    "local": {"warmup": "warmup_steps"},
-    "adaptive": {"min": "min_period", "max": "max_period", "warmup": "warmup_steps"},
+    "local": {"warmup_steps": "warmup"},
+    "adaptive": {"min": "min_period", "max": "max_period", "warmup_steps": "warmup"},
     "event": {},
     "every": {},
 }

@@ -18,13 +18,13 @@ sync happens (rule of consistency). ``stats.extra["period_history"]`` holds one
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
 from ..options import Option
 from ._common import allreduce_scalar_mean
-from .local_sgd import LOCAL_OPTIONS, LocalSGD, finite_average
+from .local_sgd import LOCAL_OPTIONS, LocalSGD, finite_average, resolve_warmup
 
 _INT1 = dict(accepted="integer >= 1", check=lambda v: v >= 1)
 
@@ -37,7 +37,7 @@ ADAPTIVE_OPTIONS = {
                        help="halve H when the momentum divergence exceeds this"),
     "delta_lo": Option(float, 0.5, accepted="0 <= delta_lo < delta_hi", check=lambda v: v >= 0,
                        help="grow H by one when the divergence is below this"),
-    "warmup_steps": LOCAL_OPTIONS["warmup_steps"],
+    "warmup": LOCAL_OPTIONS["warmup"],
     "sync_buffers": LOCAL_OPTIONS["sync_buffers"],
 }
 
@@ -67,10 +67,12 @@ class AdaptiveSync(LocalSGD):
     declared = ADAPTIVE_OPTIONS
 
     def __init__(self, optimizer, model, min_period: int = 1, max_period: int = 32, period: int = 0,
-                 delta_hi: float = 1.0, delta_lo: float = 0.5, warmup_steps: int = 0, sync_buffers: bool = True):
+                 delta_hi: float = 1.0, delta_lo: float = 0.5, warmup: int = 0, sync_buffers: bool = True,
+                 warmup_steps: Optional[int] = None):
         self.history = []
         self._setup(optimizer, model, dict(min_period=min_period, max_period=max_period, period=period,
-                                           delta_hi=delta_hi, delta_lo=delta_lo, warmup_steps=warmup_steps,
+                                           delta_hi=delta_hi, delta_lo=delta_lo,
+                                           warmup=resolve_warmup("AdaptiveSync", warmup, warmup_steps),
                                            sync_buffers=sync_buffers))
         self.stats.extra["period_history"] = self.history
 
@@ -88,12 +90,12 @@ class AdaptiveSync(LocalSGD):
         self.min_period, self.max_period = opts["min_period"], opts["max_period"]
         self.delta_lo, self.delta_hi = opts["delta_lo"], opts["delta_hi"]
         self.period = p
-        self.warmup_steps = opts["warmup_steps"]
+        self.warmup = opts["warmup"]
         self.last_delta = float("nan")
 
     def describe(self) -> str:
         return (f"adaptive:min={self.min_period},max={self.max_period},delta_lo={self.delta_lo},"
-                f"delta_hi={self.delta_hi},warmup={self.warmup_steps}")
+                f"delta_hi={self.delta_hi},warmup={self.warmup}")
 
     def _average(self):
         if not self.included:

@@ -2,13 +2,14 @@
 
 Lin, Stich, Patel, Jaggi, "Don't use large mini-batches, use local SGD", ICLR 2020:
 every rank takes ``period`` (H) local optimizer steps on its own data, then the
-parameters are averaged over all ranks; with ``warmup_steps=T`` the first T steps
-are fully synchronous (post-local SGD), then the period is H.
+parameters are averaged over all ranks; with ``warmup=T`` the first T steps
+are fully synchronous (post-local SGD), then the period is H (``warmup_steps=`` is the
+old name of ``warmup=``).
 
 Usage (the strategy wraps the optimizer's ``step``)::
 
     opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-    sync = hvd_ext.LocalSGD(opt, model, period=8, warmup_steps=100)
+    sync = hvd_ext.LocalSGD(opt, model, period=8, warmup=100)
     for x, y in data:
         opt.zero_grad(); loss = F.cross_entropy(model(x), y); loss.backward()
         sync.step(loss)          # optimizer.step() + parameter average every H steps
@@ -45,10 +46,19 @@ _INT0 = dict(accepted="integer >= 0", check=lambda v: v >= 0)
 
 LOCAL_OPTIONS = {
     "period": Option(int, 8, help="local steps between parameter averages (H)", **_INT1),
-    "warmup_steps": Option(int, 0, help="fully synchronous steps first (post-local SGD)", **_INT0),
+    "warmup": Option(int, 0, help="fully synchronous steps first (post-local SGD)", **_INT0),
     "sync_buffers": Option(bool, True, help="also average floating-point model buffers (BatchNorm stats)"),
     "sync_momentum": Option(bool, False, help="also average the optimizer's momentum/moment buffers"),
 }
+
+
+def resolve_warmup(owner: str, warmup: int, warmup_steps: Optional[int]) -> int:
+    """``warmup``, or ``warmup_steps`` (its old name) when that is the one given."""
+    if warmup_steps is None:
+        return warmup
+    if warmup != 0:
+        raise ValueError(f"{owner}: 'warmup' given twice (as 'warmup_steps' too, its old name); give it once")
+    return warmup_steps
 
 
 def finite_average(tensors: List[torch.Tensor], name: str, process_set=None) -> Tuple[int, float, int]:
@@ -103,10 +113,10 @@ class LocalSGD(_NoSharedState):
     name = "local"
     declared = LOCAL_OPTIONS
 
-    def __init__(self, optimizer, model, period: int = 8, warmup_steps: int = 0, sync_buffers: bool = True,
-                 sync_momentum: bool = False, **extra):
-        given = dict(period=period, warmup_steps=warmup_steps, sync_buffers=sync_buffers,
-                     sync_momentum=sync_momentum, **extra)
+    def __init__(self, optimizer, model, period: int = 8, warmup: int = 0, sync_buffers: bool = True,
+                 sync_momentum: bool = False, warmup_steps: Optional[int] = None, **extra):
+        given = dict(period=period, warmup=resolve_warmup(type(self).__name__, warmup, warmup_steps),
+                     sync_buffers=sync_buffers, sync_momentum=sync_momentum, **extra)
         self._setup(optimizer, model, given)
 
     def _setup(self, optimizer, model, given: Dict[str, Any]) -> None:
@@ -176,14 +186,14 @@ class LocalSGD(_NoSharedState):
     # ---- configuration (AdaptiveSync overrides) ------------------------------------------
     def _configure(self, opts: Dict[str, Any]) -> None:
         self.period = opts["period"]
-        self.warmup_steps = opts["warmup_steps"]
+        self.warmup = opts["warmup"]
 
     def describe(self) -> str:
-        return f"{self.name}:period={self.period},warmup={self.warmup_steps}"
+        return f"{self.name}:period={self.period},warmup={self.warmup}"
 
     # ---- per-step --------------------------------------------------------------------------
     def in_warmup(self, step: Optional[int] = None) -> bool:
-        return (self.steps if step is None else step) < self.warmup_steps
+        return (self.steps if step is None else step) < self.warmup
 
     def _set_mode(self) -> None:
         """Gradient exchange for the coming step: on during warm-up (DistributedOptimizer only);

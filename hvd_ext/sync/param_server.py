@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..exchange.transport import horovod_elastic
 from ..options import Option, resolve_options
 
 BOARD_COLS = 4  # loss, step, time, pushes
@@ -78,7 +79,7 @@ def require_mpi_controller(owner: str) -> None:
             gloo = gloo or not hvd.mpi_enabled()
     except (AttributeError, ValueError):
         pass
-    if os.environ.get("HOROVOD_ELASTIC", "0").strip() not in ("", "0"):
+    if horovod_elastic():
         raise RuntimeError(f"{owner} needs MPI one-sided operations, and Horovod elastic runs on Gloo only: "
                            "use every/local/adaptive sync under elastic training, or launch without elastic "
                            "(horovodrun --mpi ... or mpirun ...)")

@@ -10,7 +10,7 @@ sets ``p.grad``, flushes and finishes exactly as the optimizer's hooks and
 lays the ranks out on nodes (node-aware routes; ``process_sets=False``: the
 node process sets cannot be made; ``groups="alltoall"``: node groups over the
 world's alltoall, as on Horovod by default; ``node_model``: the node links the
-route choice assumes, e.g. those a real run measured). ``dense_steps``: the dense warm-up the optimizer
+route choice assumes, e.g. those a real run measured). ``warmup``: the dense warm-up the optimizer
 asks for under an adaptive optimizer (``hvd_ext.variance_freeze``). ``overlap``: the pipeline's
 worker thread compresses the buckets (:mod:`hvd_ext.overlap`); the gradients are then handed in
 as backward's hooks do, one parameter at a time in reverse order (``hooks=True`` does so without
@@ -47,7 +47,7 @@ def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *,
                  bucket_bytes: int = 25 * 1024 * 1024, op: str = "average", route: Optional[str] = None,
                  before_step: Optional[Callable[[int, int, Any], None]] = None, timeout: float = 120.0,
                  ranks_per_node: int = 0, process_sets: bool = True, groups: str = "subworld",
-                 dense_steps: int = 0, node_model=None, overlap: bool = False, hooks: bool = False,
+                 warmup: int = 0, node_model=None, overlap: bool = False, hooks: bool = False,
                  rank_context: Optional[Callable[[int], Any]] = None,
                  on_phase: Optional[Callable[[int, str], None]] = None) -> List[RankRun]:
     names = list(grads[0][0])
@@ -73,7 +73,7 @@ def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *,
         for n in names:
             base = params[n] if params is not None else torch.zeros_like(grads[0][0][n])
             named.append((n, torch.nn.Parameter(base.detach().clone())))
-        pipe = GradientPipeline(named, comp, comp.feedback, ex, bucket_bytes, route, dense_steps=dense_steps,
+        pipe = GradientPipeline(named, comp, comp.feedback, ex, bucket_bytes, route, warmup=warmup,
                                 overlap=overlap)
         run = RankRun(rank, routes=pipe.routes, pipeline=pipe, exchange=ex)
         for step, per_rank in enumerate(grads):

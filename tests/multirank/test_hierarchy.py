@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, WORKERS
+from helpers.checks import assert_checks
 
 
 # ---- real Horovod ranks on two nodes (network namespaces) ------------------------------------------
@@ -57,29 +58,21 @@ def _testbed(mode, timeout=280):
     return res
 
 
-SPECS_2x2 = ["none", "qsgd:bits=8", "topk:ratio=0.02", "qsgd:bits=8,exchange=twophase",
-             "topk:ratio=0.02,exchange=twophase"]
+SPECS_2x2 = ["none", "qsgd:bits=8", "topk:ratio=0.02", "qsgd:bits=8,route=twophase",
+             "topk:ratio=0.02,route=twophase"]
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 def test_testbed_2x2_node_aware_equals_simulated():
     """horovodrun --gloo -H node1:2,node2:2, plain hvd.init(): node-aware routes (node groups over the
     global alltoall), bit for bit the simulated 2 x 2 world's results, every rank the same parameters,
-    the codec's error as flat, fewer bytes across nodes than inside them."""
+    the codec's error as flat, fewer bytes across nodes than inside them (checked on each rank)."""
     res = _testbed("alltoall")
+    assert_checks(res)
     assert [(r["local_rank"], r["cross_rank"]) for r in res] == [(0, 0), (1, 0), (0, 1), (1, 1)]
-    expect = dict(zip(SPECS_2x2, ["node:allreduce", "node:allgather", "node:allgather", "node:twophase",
-                                  "node:sparse_rs"]))
-    for r in res:
-        assert r["warnings"] == []
-        for spec, route in expect.items():
-            x = r[spec]
-            assert x["routes"] == [route] == x["sim_routes"], spec
-            assert x["bitwise"], (spec, x["max_diff"])
-            assert x["spread"] == 0.0, spec
-            assert x["err_node"] < 1.5 * x["err_flat"] + 1e-6, (spec, x)
-            assert x["wire_by_link"]["inter"] < x["wire_by_link"]["intra"], spec
-        assert r["none"]["err_node"] < 1e-10
+    for r in res:  # every spec ran, with its named checks
+        for spec in SPECS_2x2:
+            assert spec in r and any(n.startswith(spec + ":") for n in r["checks"]), spec
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
@@ -87,35 +80,29 @@ def test_testbed_2x2_measured_links_choose_the_route():
     """The node links are measured once per job (two optimizers, one probe), the same on every rank:
     the inter-node link near the shaped 300 Mbit/s (37.5 MB/s through a node's NIC); each optimizer's
     route is the cost model's pick with those links, and the simulated replay with the same links
-    takes the same route and gives the same bits. The intra-node link is only checked to be a
-    positive, finite fit: with 4 ranks on 2 cores it is CPU-bound and measured 32-133 MB/s, once
-    below the inter-node link (a fresh-clone CI run: 32 against 46 MB/s)."""
+    takes the same route and gives the same bits (checked on each rank). The intra-node link is only
+    checked to be a positive, finite fit: with 4 ranks on 2 cores it is CPU-bound and measured 32-133
+    MB/s, once below the inter-node link (a fresh-clone CI run: 32 against 46 MB/s)."""
     res = _testbed("links")
+    assert_checks(res)
     links = [r[spec]["node_links"] for r in res for spec in ("qsgd:bits=8", "topk:ratio=0.01")]
     print("measured node links:", links[0])
     assert all({k: x[k] for k in ("intra", "inter")} == {k: links[0][k] for k in ("intra", "inter")}
                for x in links), links
-    assert all(x["source"] == "measured" and x["probe_s"] == links[2 * (i // 2)]["probe_s"]
-               for i, x in enumerate(links)), links  # one probe per rank, reused by the second optimizer
+    # the shaping is this test's (--inter 300mbit): checked here, on rank 0's links (the same on every rank)
     assert 0.4 * 37.5 <= links[0]["inter"]["MB_per_s"] <= 1.5 * 37.5, links[0]
-    assert 0 < links[0]["intra"]["MB_per_s"] < float("inf") and links[0]["intra"]["latency_us"] > 0, links[0]
-    for r in res:
-        for spec in ("qsgd:bits=8", "topk:ratio=0.01"):
-            x, pick = r[spec], r[spec]["model_pick"]
-            want = "node:" + pick["inner"] if pick["node_aware"] else pick["flat"]
-            assert [k.replace("sparse_rs", "twophase") for k in x["routes"]] == [want] == \
-                [k.replace("sparse_rs", "twophase") for k in x["sim_routes"]], (spec, x["routes"], pick)
-            assert x["bitwise"] and x["spread"] == 0.0, spec
+    for r in res:  # both optimizers and the links were checked on every rank
+        for sec in ("links: ", "qsgd:bits=8: ", "topk:ratio=0.01: "):
+            assert any(n.startswith(sec) for n in r["checks"]), sec
     # hierarchy=auto measured (hvd_ext.route_trial), where the measured links leave the model unsure:
     # the trial decides on real Horovod ranks, every rank the same numbers, choice and routes
     trials = [r["trial"] for r in res]
     print("hierarchy trial:", trials[0]["report"])
     if trials[0]["planned"]:
         rep = trials[0]["report"]
-        assert rep["choice"] in ("flat", "node") and set(rep["measured_period_ms"]) == {"flat", "node"}, rep
-        for t in trials:
-            assert t["report"] == rep and t["stats"] == rep
-            assert all(k.startswith("node:") == (rep["choice"] == "node") for k in t["routes"]), t
+        for r, t in zip(res, trials):
+            assert t["report"] == rep
+            assert [n for n in r["checks"] if n.startswith("trial:")], "the trial's checks did not run"
     else:  # the model was sure (predictions more than 3x apart): no trial on any rank
         assert not any(t["planned"] for t in trials)
 
@@ -123,7 +110,8 @@ def test_testbed_2x2_measured_links_choose_the_route():
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 def test_testbed_2x2_declared_process_sets():
     """HVD_EXT_NODE_GROUPS=process_sets with hvd.init(process_sets=hvd_ext.exchange.node_process_sets()):
-    the declared process sets carry the node groups, same results."""
-    for r in _testbed("declared"):
-        assert r["warnings"] == []
-        assert r["qsgd:bits=8"]["routes"] == ["node:allgather"] and r["qsgd:bits=8"]["bitwise"]
+    the declared process sets carry the node groups, same results (checked on each rank)."""
+    res = _testbed("declared")
+    assert_checks(res)
+    for r in res:
+        assert any(n.startswith("qsgd:bits=8: routes are ['node:allgather']") for n in r["checks"])

@@ -1,6 +1,7 @@
 """Horovod's documented recipes, misconfiguration and faults, on real multi-rank jobs.
 
-Each test is one launch with a timeout; the worker scripts are tests/multirank/workers/recipes_*.py."""
+Each test is one launch with a timeout; the worker scripts are tests/multirank/workers/recipes_*.py,
+which check each rank in-process as named checks (helpers.checks.assert_checks names any failed one)."""
 from __future__ import annotations
 
 import os
@@ -14,71 +15,33 @@ from pathlib import Path
 import pytest
 
 from conftest import WORKERS, _env, launch
+from helpers.checks import assert_checks
 
 
 # ---- 1. resume recipe: rank 0 loads, broadcast_parameters + broadcast_optimizer_state -------------
 def test_resume_recipe_only_rank0_has_state():
     res = launch("recipes_resume.py", np=2, launcher="gloo", timeout=300)
+    assert_checks(res)  # per optimizer, compressor, sync strategy; the process set that excludes rank 1
     for r in res:
-        assert len(r["optimizers"]) >= 10
-        for name, c in r["optimizers"].items():
-            assert c["after_recipe"] == 0.0, name     # the state-creating step moved no parameter
-            assert c["spread"] == 0.0 and c["finite"], name
-            assert c["same_hvd_ext_state"] and c["step"] == 6, name
-        for spec, c in r["compressors"].items():
-            assert c["after_recipe"] == 0.0 and c["spread"] == 0.0 and c["finite"], spec
-            assert c["step"] == 6, spec               # rank 1 took rank 0's exchange count
-            if spec != "signum":                      # signum's momentum is per rank by design
-                assert c["same_hvd_ext_state"], spec
-        for spec, c in r["sync"].items():
-            assert c["spread"] == 0.0, spec
-        assert r["sync"]["local:period=2"]["steps"] == 8  # rank 1 took rank 0's strategy counters
-        # 2 ranks, process set {0}: rank 1 builds the optimizer and steps locally, no collective
-        ps = r["outside_set"]
-        assert ps["included"] == (r["rank"] == 0) and ps["changed"]
-        if r["rank"] == 1:
-            assert ps["collectives"] == 0 and ps["local_step_err"] < 1e-6
+        for sec in ("optimizers", "compressors", "sync", "outside_set"):
+            assert any(n.startswith(sec + ":") for n in r["checks"]), sec
 
 
 # ---- 2. process sets: odd/even on 4 ranks -------------------------------------------------------
 def test_process_sets_odd_even_four_ranks():
     res = launch("recipes_process_sets.py", np=4, launcher="gloo", timeout=300)
+    assert_checks(res)  # members agree and exchanged; the others stepped locally, never communicated
     for r in res:
-        for case, c in r.items():
-            if not isinstance(c, dict):
-                continue
-            member = (r["rank"] % 2 == 0) == case.startswith("even")
-            assert c["included"] == member, (r["rank"], case)
-            assert c["members_spread"] == 0.0, case          # the set's ranks agree
-            if member:
-                assert c["differs_from_member"] == 0.0 and c["local_err"] > 0  # they did exchange
-            else:
-                assert c["collectives"] == 0, case             # never communicated
-                assert c["local_err"] < 1e-6, case            # exactly a local torch step
-                assert c["differs_from_member"] > 0
+        for case in ("even_none", "even_topk", "odd_qsgd", "odd_local"):
+            assert any(n.startswith(case + ":") for n in r["checks"]), case
 
 
 # ---- 3. ranks configured differently: clear error on every rank, at construction ---------------
 def test_config_mismatch_fails_fast_with_both_values():
     res = launch("recipes_config.py", np=2, launcher="gloo", timeout=180)
+    assert_checks(res)  # every case: an error naming what differs and both values, within 30 s
     for r in res:
-        want = {"none_vs_fp16": ("compression", "'none", "'fp16"),
-                "topk_vs_qsgd": ("compression", "'topk:", "'qsgd:bits=8"),
-                "qsgd4_vs_qsgd8": ("compression", "qsgd:bits=4", "qsgd:bits=8"),
-                "feedback": ("compression", "feedback=residual", "feedback=ewma"),
-                "shapes": ("parameters", "(8, 6)", "(9, 6)"),
-                "bucket_bytes": ("bucket_bytes", "1048576", "64"),
-                "op": ("op", "'average'", "'sum'"),
-                "passes": ("backward_passes_per_step", "has 1", "has 2"),
-                "sync": ("sync", "period=4", "period=8")}
-        for case, words in want.items():
-            err = r[case]["error"]
-            assert err is not None, case
-            assert "configured differently" in err and all(w in err for w in words), (case, err)
-            assert r[case]["s"] < 30, case
-        assert r["same"]["error"] is None
-        # once at construction, nothing per step: the first step adds one agreement collective only
-        assert r["collectives_per_step"][1:] == [1, 1]
+        assert len(r["checks"]) == 2 * 9 + 2, sorted(r["checks"])
 
 
 # ---- 4. faults: a rank killed mid-step ends the job non-zero, quickly ---------------------------
@@ -116,48 +79,29 @@ def test_rank_killed_mid_step_ends_job(mode, launcher):
 # ---- 5. non-finite values never reach an average or the parameter server ------------------------
 def test_nonfinite_never_reaches_parameter_average():
     res = launch("recipes_nonfinite.py", "avg", np=2, launcher="gloo", timeout=180)
+    assert_checks(res)
     for r in res:
-        for case, c in r.items():
-            if case == "rank":
-                continue
-            assert c["finite_all"] and c["spread"] == 0.0, case   # rank 1's NaN left out, rank 1 recovered
-            assert c["skipped_syncs"] >= 1 and c["final_finite"], case
-            if r["rank"] == 1:
-                # a NaN gradient in a local step: hvd_ext's optimizer skips it; a plain one cannot
-                assert c["nan_grad_step_skipped"] is case.endswith("hvd_ext"), case
+        for case in ("local:period=2|hvd_ext", "local:period=2|plain", "adaptive:min=2,max=4|hvd_ext",
+                     "adaptive:min=2,max=4|plain"):
+            assert any(n.startswith(case + ":") for n in r["checks"]), case
 
 
 def test_nonfinite_never_reaches_parameter_server():
     res = launch("recipes_nonfinite.py", "event", np=2, launcher="mpirun", timeout=180)
-    for r in res:
-        e = r["event"]
-        assert e["server_finite"] and e["finite_all"] and e["spread"] == 0.0
-    assert res[1]["event"]["skipped_pushes"] >= 1 and res[0]["event"]["skipped_pushes"] == 0
+    assert_checks(res, section="event")  # finite everywhere; rank 1's poisoned push skipped, rank 0's not
 
 
 # ---- 6. compatibility: patterns of Horovod scripts (see also multirank/test_optimizer.py's horovod_compat)
 def test_horovod_usage_patterns_gloo():
     res = launch("recipes_compat.py", np=2, launcher="gloo", timeout=180)
+    assert_checks(res)
     for r in res:
-        for spec in ("none", "topk:ratio=0.5"):
-            c = r[f"requires_grad|{spec}"]
-            assert c["spread"] == 0.0 and not c["frozen_moved"], spec  # frozen: not even feedback moves it
-        assert r["bpps"] == {"err": 0.0, "spread": 0.0, "third_backward_raises": True}
-        o = r["one_rank_module"]
-        assert o["spread"] == 0.0 and o["extra_moved"] and o["unused_grad_zero"]
+        assert len(r["checks"]) == 6, sorted(r["checks"])
 
 
 # ---- 7. sparse gradients ---------------------------------------------------------------------------------
 def test_sparse_embedding_gradients():
     res = launch("recipes_sparse.py", np=2, launcher="gloo", timeout=180)
+    assert_checks(res)
     for r in res:
-        for case in ("sgd", "sgd_topk", "sparse_adam"):
-            c = r[case]
-            assert all(c["sparse_grad"]) and c["spread"] == 0.0 and c["err"] < 1e-6, case
-            # first step learns which gradients are sparse (dense exchange); then indices + values only
-            assert max(c["bytes"][1:]) * 20 < r["dense_bytes"], (case, c["bytes"])
-        d = r["as_dense"]  # exchanged dense, handed back sparse (Horovod's sparse_as_dense)
-        assert all(d["sparse_grad"]) and d["spread"] == 0.0 and d["err"] < 1e-6
-        assert min(d["bytes"]) >= r["dense_bytes"]
-        for case, h in r["horovod_sparse_embeddings"].items():  # SparseAdam from the first step
-            assert h["sparse_grad"] == [True, True] and h["spread"] == 0.0, (case, h)
+        assert len(r["checks"]) == 3 * 2 + 2 + 2, sorted(r["checks"])

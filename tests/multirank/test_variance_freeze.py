@@ -1,6 +1,8 @@
 """Adam + topk with a dense warm-up and a frozen second moment on 2 real Horovod ranks
-(tests/multirank/workers/variance_checks.py)."""
+(tests/multirank/workers/variance_checks.py, which checks each rank in-process)."""
 from __future__ import annotations
+
+from helpers.checks import assert_checks
 
 
 def test_two_ranks_adam_topk_warmup_freeze_checkpoint_and_resume_recipe():
@@ -11,12 +13,6 @@ def test_two_ranks_adam_topk_warmup_freeze_checkpoint_and_resume_recipe():
     from conftest import launch
 
     res = launch("variance_checks.py", np=2, timeout=240)
+    assert_checks(res)
     for r in res:
-        assert r["warned"]
-        assert r["exact"][:3] == [True, True, True]
-        assert not any(r["exact"][3:]), r["exact"]
-        assert r["recv"][3] < 0.5 * r["recv"][0]  # compressed after the warm-up
-        assert r["never_lower"] and r["unchanged"] > 0.5, r
-        assert r["has_variance"] and r["resumed_equal"]
-        assert r["spread_main"] == 0.0 and r["spread_recipe"] == 0.0
-        assert r["finite"]
+        assert len(r["checks"]) == 8, sorted(r["checks"])

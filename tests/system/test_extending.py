@@ -93,7 +93,7 @@ def test_example_through_the_pipeline_at_three_ranks(codec):
     def before(rank, step, pipe):
         memory_before[rank, step] = {k: v.clone() for k, v in pipe.feedback.memory.items()}
 
-    runs = run_pipeline(f"{NAME}:bits={bits},feedback=residual,exchange=allgather", grads, SIZE,
+    runs = run_pipeline(f"{NAME}:bits={bits},feedback=residual,route=allgather", grads, SIZE,
                         before_step=before)
     ref = runs[0]
 
@@ -139,7 +139,7 @@ def test_example_through_the_pipeline_at_three_ranks(codec):
 def test_example_on_the_two_phase_route(codec):
     """The default ``recompress`` (= compress) lets the shard owners re-encode the average."""
     grads = make_grads(2, seed=2)
-    runs = run_pipeline(f"{NAME}:bits=8,exchange=twophase", grads, SIZE)
+    runs = run_pipeline(f"{NAME}:bits=8,route=twophase", grads, SIZE)
     for step in range(2):
         for name in SHAPES:
             got = runs[0].results[step][name]

@@ -19,7 +19,8 @@ KEYS = ["ratio", "bits", "levels", "bucket", "feedback", "beta", "lambda", "rate
         "sample", "seed", "shared", "tau", "rank", "warm_start", "min_compression", "start_step", "clip",
         "momentum", "split", "alpha", "eps", "norm", "dist", "budget", "chunk", "stochastic", "exchange",
         "period", "warmup", "min", "max", "delta_lo", "delta_hi", "sigma", "rho", "tau_min", "tau_max",
-        "staleness", "gamma", "progress", "sync_buffers", "sync_momentum", "nope", ""]
+        "staleness", "gamma", "progress", "sync_buffers", "sync_momentum", "route", "hierarchy", "variance",
+        "variance_warmup", "ramp_steps", "warmup_steps", "nope", ""]
 NUMBERS = st.one_of(st.integers(-10**30, 10**30).map(str), st.floats(allow_nan=True, allow_infinity=True).map(repr),
                     st.sampled_from(["nan", "inf", "-inf", "1e309", "0x10", "1_000", "", " ", "true", "no",
                                      "exact", "fp16", "residual", "ewma", "l2", "mass", "loss", "é", "１"]))
@@ -114,7 +115,7 @@ def test_distributed_optimizer_args_only_valueerror(hvd1, bpps, predivide, bucke
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(["local", "adaptive"]),
-       args=st.dictionaries(st.sampled_from(["period", "warmup_steps", "sync_buffers", "sync_momentum", "min_period",
+       args=st.dictionaries(st.sampled_from(["period", "warmup", "warmup_steps", "sync_buffers", "sync_momentum", "min_period",
                                              "max_period", "delta_lo", "delta_hi", "bogus"]), ARG, max_size=3))
 def test_sync_constructor_args_only_valueerror(hvd1, name, args):
     model = torch.nn.Linear(3, 2)

@@ -29,7 +29,7 @@ SHAPES = [(64,), (96, 128), (500,), (3000,), (12000,), (300,)]
 BUCKET = 64 * 1024
 SLOW_INTER = cost.NodeModel(inter=cost.LinkModel(alpha=1e-3, bandwidth=1e6))  # node-aware pays: it is chosen
 # the registered codecs with their defaults, and the variants whose payload sizes depend on the data
-VARIANTS = ["powersgd:rank=2,start_step=0", "topk:ratio=0.01,mode=sampled", "topk:ratio=0.01,scope=layer",
+VARIANTS = ["powersgd:rank=2,warmup=0", "topk:ratio=0.01,mode=sampled", "topk:ratio=0.01,scope=layer",
             "dgc:ratio=0.01,mode=exact", "sig:ratio=0.01,split=global", "qdist:budget=3", "qdist:bits=3,bucket=0",
             "randomk:ratio=0.05,shared=1", "signsgd:scale=none"]
 SPECS = sorted(list_compressors()) + VARIANTS

@@ -42,10 +42,10 @@ def test_the_guard_keeps_a_coarse_codec_off_gradients_it_cannot_carry(monkeypatc
     step (error ratio near 1): strict auto keeps it off and takes 8-bit QSGD; relaxed takes top-1%."""
     monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
     grads = _grads(6, 2)
-    cands = "candidates=none,qsgd:bits=8,topk:ratio=0.01,exchange=allgather"
+    cands = "candidates=none,qsgd:bits=8,topk:ratio=0.01,route=allgather"
     strict = run_pipeline(f"auto:warmup=4,trial=0,{cands}", grads, 2)
     relaxed = run_pipeline(f"auto:warmup=4,trial=0,accuracy=relaxed,{cands}", grads, 2)
-    top, q8 = "topk:ratio=0.01,exchange=allgather", "qsgd:bits=8"
+    top, q8 = "topk:ratio=0.01,route=allgather", "qsgd:bits=8"
     for r in strict:
         g = _guard(r)
         assert g == _guard(strict[0])  # one verdict on every rank
@@ -59,24 +59,24 @@ def test_the_guard_keeps_a_coarse_codec_off_gradients_it_cannot_carry(monkeypatc
 
 def test_the_guard_admits_top_k_where_the_gradient_is_sparse(monkeypatch):
     monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
-    runs = run_pipeline("auto:warmup=4,trial=0,candidates=none,topk:ratio=0.03,exchange=allgather",
+    runs = run_pipeline("auto:warmup=4,trial=0,candidates=none,topk:ratio=0.03,route=allgather",
                         _sparse_grads(6, 2), 2)
     g = _guard(runs[0])
-    assert all(row["topk:ratio=0.03,exchange=allgather"] < 0.1 for row in g["error_ratio"])
-    assert set(runs[0].pipeline.auto.report()["choice"]) == {"topk:ratio=0.03,exchange=allgather"}
+    assert all(row["topk:ratio=0.03,route=allgather"] < 0.1 for row in g["error_ratio"])
+    assert set(runs[0].pipeline.auto.report()["choice"]) == {"topk:ratio=0.03,route=allgather"}
 
 
 def test_the_guard_verdict_does_not_depend_on_timing(monkeypatch):
     """Same gradients, a fast and a slow link (a quiet and a busy machine): the same error ratios and
     eligible sets; only the choice among the eligible may differ."""
     grads = _grads(6, 2, seed=5)
-    spec = "auto:warmup=4,trial=0,candidates=none,fp16,qsgd:bits=8,topk:ratio=0.03,exchange=allgather"
+    spec = "auto:warmup=4,trial=0,candidates=none,fp16,qsgd:bits=8,topk:ratio=0.03,route=allgather"
     monkeypatch.setattr(AutoTuner, "_probe_link", _link())
     fast = run_pipeline(spec, grads, 2)
     monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
     slow = run_pipeline(spec, grads, 2)
     assert _guard(fast[0]) == _guard(slow[0])
-    assert "topk:ratio=0.03,exchange=allgather" not in _guard(fast[0])["eligible"][0]
+    assert "topk:ratio=0.03,route=allgather" not in _guard(fast[0])["eligible"][0]
 
 
 def test_the_guard_error_ratio_is_the_residual_fraction():

@@ -34,7 +34,7 @@ def test_spec_parsing_and_errors():
 def test_dense_until_warmup_then_same_choice_everywhere(monkeypatch, size):
     monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
     grads = _grads(6, size)
-    spec = "auto:warmup=2,accuracy=relaxed,candidates=none,topk:ratio=0.1,scope=layer,exchange=allgather"
+    spec = "auto:warmup=2,accuracy=relaxed,candidates=none,topk:ratio=0.1,scope=layer,route=allgather"
     runs = run_pipeline(spec, grads, size, bucket_bytes=8000)
     for step in range(2):  # dense: the exact mean
         for n in NAMES:
@@ -43,7 +43,7 @@ def test_dense_until_warmup_then_same_choice_everywhere(monkeypatch, size):
                 torch.testing.assert_close(r.results[step][n], mean)
     for r in runs:
         assert r.pipeline.auto.report()["choice"] == runs[0].pipeline.auto.report()["choice"]
-        assert set(r.pipeline.auto.report()["choice"]) == {"topk:ratio=0.1,scope=layer,exchange=allgather"}
+        assert set(r.pipeline.auto.report()["choice"]) == {"topk:ratio=0.1,scope=layer,route=allgather"}
         assert [b.route.name for b in r.pipeline.buckets] == ["allgather"] * len(r.pipeline.buckets)
         for step in range(6):
             for n in NAMES:
@@ -68,7 +68,7 @@ def test_memory_carries_over_when_switching_back(monkeypatch):
     monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0, fast_from=5))
     size, steps = 2, 10
     grads = _grads(steps, size, seed=3)
-    spec = "auto:warmup=2,accuracy=relaxed,every=3,release=3,candidates=none,topk:ratio=0.05,scope=layer,exchange=allgather"
+    spec = "auto:warmup=2,accuracy=relaxed,every=3,release=3,candidates=none,topk:ratio=0.05,scope=layer,route=allgather"
     seen = []
 
     def snapshot(rank, step, pipe):
@@ -78,7 +78,7 @@ def test_memory_carries_over_when_switching_back(monkeypatch):
 
     runs = run_pipeline(spec, grads, size, before_step=snapshot)
     choices = [d["choice"][0] for d in runs[0].pipeline.auto.decisions]
-    assert choices[:2] == ["topk:ratio=0.05,scope=layer,exchange=allgather", "none"]
+    assert choices[:2] == ["topk:ratio=0.05,scope=layer,route=allgather", "none"]
     assert [d["step"] for d in runs[0].pipeline.auto.decisions][:2] == [2, 5]
     pipe = runs[0].pipeline
     assert not pipe.feedback.memory and not pipe.auto.debt  # paid out over steps 5, 6, 7
@@ -101,7 +101,7 @@ def test_memory_carries_over_when_switching_back(monkeypatch):
 
 def test_checkpoint_keeps_choice(monkeypatch):
     monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
-    spec = "auto:warmup=2,accuracy=relaxed,candidates=none,topk:ratio=0.1,scope=layer,exchange=allgather"
+    spec = "auto:warmup=2,accuracy=relaxed,candidates=none,topk:ratio=0.1,scope=layer,route=allgather"
     runs = run_pipeline(spec, _grads(3, 2), 2)
     sd = runs[0].pipeline.state_dict()
     assert sd["auto"]["choice"] == runs[0].pipeline.auto.choice and sd["auto"]["choice"] != [0]
@@ -390,9 +390,9 @@ def test_an_unbiased_choice_runs_exactly_as_the_fixed_codec(monkeypatch):
     around a codec that runs without one when fixed (and nothing else of auto's in the data path)."""
     monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
     grads = _grads(7, 2, seed=9)
-    auto = run_pipeline("auto:warmup=3,trial=0,candidates=none,qsgd:bits=8,exchange=allgather", grads, 2)
-    fixed = run_pipeline("qsgd:bits=8,exchange=allgather", grads, 2)
-    assert set(auto[0].pipeline.auto.report()["choice"]) == {"qsgd:bits=8,exchange=allgather"}
+    auto = run_pipeline("auto:warmup=3,trial=0,candidates=none,qsgd:bits=8,route=allgather", grads, 2)
+    fixed = run_pipeline("qsgd:bits=8,route=allgather", grads, 2)
+    assert set(auto[0].pipeline.auto.report()["choice"]) == {"qsgd:bits=8,route=allgather"}
     for step in range(3, 7):
         for n in NAMES:
             for a, f in zip(auto, fixed):

@@ -51,7 +51,7 @@ def test_torchstate_commit_restore_carries_hvd_ext_state():
     model = torch.nn.Linear(8, 4)
     opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(),
-                                       compression="powersgd:rank=1,start_step=0")
+                                       compression="powersgd:rank=1,warmup=0")
 
     def train_step():
         opt.zero_grad()
@@ -75,3 +75,26 @@ def test_torchstate_commit_restore_carries_hvd_ext_state():
         assert all(torch.equal(now[part][key][k], v) for k, v in saved[part][key].items())
     train_step()
     assert opt._pipeline.step == 2
+
+
+@pytest.mark.parametrize("spec,warmup", [("topk:ratio=0.1,warmup=2", 2), ("topk:ratio=0.1,variance_warmup=2", 2),
+                                         ("powersgd:rank=1", 100), ("topk:ratio=0.1", 0)])
+def test_the_dense_warmup_runs_under_any_optimizer(spec, warmup):
+    """``warmup=N`` (compression.common) sends the first N exchanges dense under SGD too, not only where
+    an adaptive optimizer's second moment is frozen; no error-feedback memory is kept during it."""
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(), compression=spec)
+    pipe = opt._pipeline
+    assert pipe.warmup == warmup and (pipe.warmup_policy is not None) == (warmup > 0)
+    for step in range(min(warmup, 3) + 1):
+        dense = step < warmup
+        assert all(pipe._in_warmup(b.comp) == dense for b in pipe.buckets), step
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+        assert bool(opt._compression.feedback.memory) == (step >= warmup), step

@@ -17,7 +17,7 @@ BUCKET = 1024
 
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("spec", ["none", "fp16", "topk:ratio=0.05", "qsgd:bits=4",
-                                  "qsgd:bits=8,exchange=twophase", "randomk:ratio=0.1",
+                                  "qsgd:bits=8,route=twophase", "randomk:ratio=0.1",
                                   "powersgd:rank=2", "efsignsgd"])
 def test_worker_thread_gives_the_same_numbers(spec, size):
     grads = make_grads(size, steps=4, seed=size)

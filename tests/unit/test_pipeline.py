@@ -32,11 +32,11 @@ def test_first_bucket_takes_the_tensor_that_crosses_its_size():
 
 
 def test_pipeline_dense_warmup_then_codec():
-    """The first ``dense_steps`` exchanges are the exact mean with no memory kept; then the codec runs
+    """The first ``warmup`` exchanges are the exact mean with no memory kept; then the codec runs
     (with its error feedback starting from zero), on every simulated rank alike."""
     size, steps, warm = 3, 5, 2
     grads = make_grads(size, steps, seed=3)
-    runs = run_pipeline("topk:ratio=0.05", grads, size, dense_steps=warm)
+    runs = run_pipeline("topk:ratio=0.05", grads, size, warmup=warm)
     for r in runs:
         for step in range(steps):
             exact = mean_of(grads, step, size)

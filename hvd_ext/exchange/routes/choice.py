@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import warnings
 from typing import Any, Dict, Optional
 
@@ -16,7 +15,7 @@ from ...compression.base import HIERARCHY_CHOICES, ROUTE_CHOICES, Compressor
 from .. import cost
 from ..core import Exchange
 from ..probe import node_links_setting
-from ..transport import NodeGroupsUnavailable
+from ..transport import NodeGroupsUnavailable, horovod_elastic
 from .base import NODE_PREFIX
 
 _warned = set()
@@ -40,7 +39,7 @@ def node_aware_reason(comp: Compressor, exchange: Optional[Exchange]) -> Optiona
     else why not (the same on every rank)."""
     if comp.hierarchy == "flat":
         return "hierarchy=flat"
-    if os.environ.get("HOROVOD_ELASTIC", "0").strip() not in ("", "0"):
+    if horovod_elastic():
         return "elastic job: the node layout can change, and no collective may run at construction"
     topo = exchange.topology() if exchange is not None else None
     if topo is None or not topo.multi_node:

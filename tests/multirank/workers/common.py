@@ -1,4 +1,15 @@
-"""Helpers for worker scripts launched by the tests."""
+"""Helpers for worker scripts launched by the tests.
+
+A worker runs the checks that concern its own rank in-process, as named checks, and emits them
+beside the data the test still needs::
+
+    checks = Checks(rank)
+    checks.expect("fp16: average within half precision", err < 1e-3, err)
+    checks.emit(data=...)          # RESULT {"rank": r, "checks": {name: {"ok": ..., "detail": ...}}, ...}
+
+The test side (tests/helpers/checks.py, ``assert_checks``) fails naming every failed check with its
+rank and detail. Name a check ``"<section>: <what must hold>"``: a test can assert one section.
+"""
 import json
 import sys
 
@@ -7,6 +18,51 @@ def emit(**kw):
     """Print one RESULT line that tests.conftest.launch collects."""
     print("RESULT " + json.dumps(kw), flush=True)
     sys.stdout.flush()
+
+
+class Checks:
+    """Named pass/fail checks of one rank, emitted with its RESULT line.
+
+    ``expect(name, cond, detail)`` records ``bool(cond)``; ``detail`` (any value, shown when the check
+    fails) is kept short so the RESULT line stays short (launchers may interleave long lines). A name
+    used twice keeps the first failure. Failed checks are also printed to stderr as they happen."""
+
+    DETAIL = 300
+
+    def __init__(self, rank=None):
+        self.rank = rank
+        self.results = {}
+
+    def expect(self, name, cond, detail=""):
+        ok = bool(cond)
+        text = "" if ok else (detail if isinstance(detail, str) else repr(detail))[:self.DETAIL]
+        prev = self.results.get(name)
+        if prev is None or prev["ok"]:
+            self.results[name] = {"ok": ok, "detail": text}
+        if not ok:
+            print(f"CHECK FAILED [rank {self.rank}] {name}: {text}", file=sys.stderr, flush=True)
+        return ok
+
+    def section(self, prefix):
+        """A view whose ``expect(what, ...)`` records ``"<prefix>: <what>"``."""
+        return _Section(self, prefix)
+
+    def failed(self):
+        return [n for n, c in self.results.items() if not c["ok"]]
+
+    def emit(self, **data):
+        """One RESULT line: ``rank``, ``checks`` and ``data`` (the values the test compares across ranks)."""
+        if self.rank is not None:
+            data.setdefault("rank", self.rank)
+        emit(checks=self.results, **data)
+
+
+class _Section:
+    def __init__(self, checks, prefix):
+        self.checks, self.prefix = checks, prefix
+
+    def expect(self, what, cond, detail=""):
+        return self.checks.expect(f"{self.prefix}: {what}", cond, detail)
 
 
 def exchanged_steps(m, opt, make_model, rank, steps):

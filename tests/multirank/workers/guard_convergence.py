@@ -8,13 +8,15 @@ user's own optimizer wrapped by ``hvd_ext.DistributedOptimizer(opt, compression=
 * ``sgd``:  ``torch.optim.SGD(lr=0.05, momentum=0.9)`` -- the loop in which the old defaults
   of dgc (momentum applied twice), the sign family (+-1 steps) and efsignsgd/onebit diverged;
 * ``adam``: ``torch.optim.Adam(lr=1e-3)``, one compressor per family (``--adam-specs``), with
-  a dense warm-up of 30 exchanges (``variance_warmup=``; default 0, 200 for efsignsgd and onebit) so the frozen second
+  a dense warm-up of 30 exchanges (``warmup=``; default 0, 200 for efsignsgd and onebit) so the frozen second
   moment of ``hvd_ext.variance_freeze`` is exercised within the short run.
 
 Each rank prints one RESULT line: per run the mean cross-entropy on a fixed held-out set
 before and after training, the train loss over the last steps, whether the final
-parameters are identical on both ranks, and the warnings emitted at construction. The
-test (tests/multirank/test_convergence_guard.py) asserts the bounds.
+parameters are identical on both ranks, and the warnings emitted at construction; and its named
+checks (run here, on each rank): per optimizer, the uncompressed loop learns and every run's held-out
+cross-entropy falls by at least FRACTION of the uncompressed run's decrease; every run ends with the
+same parameters on both ranks. tests/multirank/test_convergence_guard.py asserts them.
 
     horovodrun -np 2 --gloo python tests/multirank/workers/guard_convergence.py [--steps 150] [--specs a;b] [--optims sgd,adam]
 """
@@ -22,6 +24,7 @@ import argparse
 import os
 import sys
 import time
+import math
 import warnings
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -33,7 +36,14 @@ import horovod.torch as hvd  # noqa: E402
 
 import hvd_ext  # noqa: E402
 from hvd_ext.examples.mnist1d import load_mnist1d  # noqa: E402
-from common import emit  # noqa: E402
+from common import Checks  # noqa: E402
+
+
+FRACTION = 0.5  # of none's loss decrease that every compressor must reach
+
+# Known not to converge at default options in this loop; reported, not checked (they warn at
+# construction with the fix: see their bind_optimizer). {(optimizer, spec): why}
+KNOWN: dict = {}
 
 
 def model_for(seed):
@@ -60,7 +70,7 @@ def run(spec, kind, steps, data, batch, adam_warmup):
     model = model_for(0)
     used = spec
     if kind == "adam":  # a guard of 150 steps: the sign codecs' warm-up (200) would cover all of it
-        used = spec + ("," if ":" in spec else ":") + f"variance_warmup={adam_warmup}"
+        used = spec + ("," if ":" in spec else ":") + f"warmup={adam_warmup}"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt = hvd_ext.DistributedOptimizer(make_opt(kind, model.parameters()),
@@ -98,7 +108,7 @@ def main():
     p.add_argument("--specs", default="", help="';'-separated specs (default: every registered compressor)")
     p.add_argument("--optims", default="sgd,adam")
     p.add_argument("--adam-warmup", type=int, default=30,
-                   help="variance_warmup= of the adam runs (dense exchanges before the second moment is frozen)")
+                   help="warmup= of the adam runs (dense exchanges before the second moment is frozen)")
     p.add_argument("--adam-specs", default="none;dgc;topk;randomk;sig;qsgd;signsgd;efsignsgd;onebit;powersgd;terngrad",
                    help="';'-separated specs run with adam (default: one per family); 'all' = --specs")
     a = p.parse_args()
@@ -113,7 +123,36 @@ def main():
     adam = specs if a.adam_specs == "all" else [s for s in a.adam_specs.split(";") if s in specs]
     runs = [run(s, k, a.steps, data, a.batch, a.adam_warmup) for k in a.optims.split(",") if k
             for s in (adam if k == "adam" else specs)]
-    emit(rank=hvd.rank(), steps=a.steps, runs=runs)
+    checks = Checks(hvd.rank())
+    known = check_runs(checks, runs)
+    checks.emit(steps=a.steps, runs=runs, known=known)
+
+
+def check_runs(checks, runs):
+    """Named checks of this rank's runs; returns ``[optimizer, report line]`` of the KNOWN runs."""
+    known = []
+    for r in runs:
+        checks.expect(f"agree: {r['optimizer']} {r['spec']}: ranks ended with identical parameters", r["agree"])
+    for kind in sorted({r["optimizer"] for r in runs}):
+        mine = sorted((r for r in runs if r["optimizer"] == kind), key=lambda r: r["spec"])
+        ref = next((r for r in mine if r["spec"] == "none"), None)
+        if ref is None:  # no uncompressed run to bound against (a --specs without none)
+            continue
+        checks.expect(f"converge {kind}: the uncompressed loop itself learns (held-out loss from above 2.0, "
+                      "down by more than 0.5)", ref["before"] > 2.0 and ref["after"] < ref["before"] - 0.5,
+                      (ref["before"], ref["after"]))
+        bound = ref["before"] - FRACTION * (ref["before"] - ref["after"])
+        for r in mine:
+            ok = r["finite"] and math.isfinite(r["after"]) and r["after"] < bound
+            line = (f"held-out loss {r['before']:.3f} -> {r['after']:.3f} (bound {bound:.3f}; none "
+                    f"{ref['after']:.3f}; {r['resolved']})")
+            if (kind, r["spec"]) in KNOWN:
+                known.append([kind, f"{r['spec']}: {line} [known: {KNOWN[(kind, r['spec'])]}; "
+                             f"{'passes now' if ok else 'still fails'}]"])
+            else:
+                checks.expect(f"converge {kind}: {r['spec']} at default options stays finite and its held-out "
+                              f"loss falls by {FRACTION} of none's decrease", ok, line)
+    return known
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Multi-rank checks of hvd_ext.DistributedOptimizer (launched by tests/multirank/test_optimizer.py).
 
-Each check returns a dict of facts; the test asserts on them. Usage:
+Each check returns a dict of facts; EXPECT[name] checks them in-process as named checks
+("<name>: <what must hold>", see common.Checks), which the test asserts. Usage:
     horovodrun -np 2 python optimizer_checks.py CHECK [CHECK ...]
 """
 import copy
@@ -14,11 +15,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import emit  # noqa: E402
+from common import Checks  # noqa: E402
 
-hvd.init()
-torch.set_num_threads(1)
-RANK, SIZE = hvd.rank(), hvd.size()
+RANK, SIZE = None, None  # set by main() after hvd.init()
 
 
 def model_and_data(seed=0):
@@ -267,9 +266,111 @@ CHECKS = {
     "backward_passes": check_backward_passes,
 }
 
-if __name__ == "__main__":
+def expect_average(max_err_below=None, max_err_above=None, spread=False):
+    def ex(c, r):
+        if max_err_below == 0.0:
+            c.expect("exchanged gradient is exactly the ranks' mean", r["max_err"] == 0.0, r["max_err"])
+        else:
+            c.expect(f"exchanged gradient within {max_err_below} of the ranks' mean"
+                     + (f" (and not exact: above {max_err_above})" if max_err_above is not None else ""),
+                     (max_err_above is None or max_err_above < r["max_err"]) and r["max_err"] < max_err_below,
+                     r["max_err"])
+        c.expect("bytes sent are the wire layout's", r["bytes_sent"] == r["expected_bytes"],
+                 (r["bytes_sent"], r["expected_bytes"]))
+        if spread:
+            c.expect("ranks hold identical parameters", r["spread"] == 0.0, r["spread"])
+    return ex
+
+
+def expect_identical(c, r):
+    c.expect("ranks agree on parameters", r["spread"] == 0.0, r["spread"])
+    c.expect("parameters moved", r["moved"] > 1e-4, r["moved"])
+    c.expect("the optimizer is an instance of the wrapped one's class, 5 steps counted",
+             r["is_instance"] and r["steps"] == 5, r)
+
+
+def expect_randomk_bytes_mass(c, r):
+    c.expect("bytes sent are the buffer layout's", r["bytes_sent"] == r["expected_bytes"],
+             (r["bytes_sent"], r["expected_bytes"]))
+    c.expect("bytes received are the others' buffers", r["bytes_received"] == r["expected_received"],
+             (r["bytes_received"], r["expected_received"]))
+    c.expect("sent + memory = input on every tensor (mass conserved)", r["mass_err"] == 0.0, r["mass_err"])
+    c.expect("ranks hold identical parameters", r["spread"] == 0.0, r["spread"])
+
+
+def expect_nan_skip(c, r):
+    c.expect("no parameter changed on the NaN step", r["changed_on_nan_step"] == 0.0, r["changed_on_nan_step"])
+    c.expect("feedback memory untouched by the skipped step", r["memory_untouched"] is True, r["memory_untouched"])
+    c.expect("one step skipped", r["skipped"] == 1, r["skipped"])
+    c.expect("parameters finite, identical on the ranks", r["finite"] and r["spread"] == 0.0, r)
+
+
+def expect_checkpoint(c, r):
+    c.expect("the checkpoint holds the feedback memory", r["checkpoint_has_memory"])
+    c.expect("the resumed run ends bit-identical to the uninterrupted one", r["identical"],
+             f"resumed run differs by {r['diff']}")
+
+
+def expect_backward_passes(c, r):
+    c.expect("the exchanged gradient is the ranks' mean of the two passes' sums", r["max_err"] < 1e-6, r["max_err"])
+    c.expect("one exchange for two backward passes", r["exchanges"] == 1, r["exchanges"])
+
+
+def expect_overlap(c, r):
+    c.expect("at least 3 buckets", r["buckets"] >= 3, r["buckets"])
+    c.expect("every bucket started during backward", r["started_in_backward"] == r["buckets"], r)
+    c.expect("one fused collective per bucket, not one per tensor", r["collectives"] == r["buckets"], r)
+    c.expect("exchanged gradient is exactly the ranks' mean", r["max_err"] == 0.0, r["max_err"])
+
+
+def expect_overlap_thread(c, r):
+    c.expect("a bad overlap setting raises a clear error",
+             "overlap must be 'auto', True or False" in r.get("bad_setting", ""), r.get("bad_setting"))
+    c.expect("overlap=True resolves to True, reported in stats",
+             r["overlap_True"]["resolved"] is True and r["overlap_True"]["stats"] is True, r["overlap_True"])
+    c.expect("overlap=False resolves to False, reported in stats",
+             r["overlap_False"]["resolved"] is False and r["overlap_False"]["stats"] is False, r["overlap_False"])
+    for on in ("True", "False"):  # every bucket handed over (started) by the hooks, in backward
+        o = r[f"overlap_{on}"]
+        c.expect(f"overlap={on}: at least 3 buckets, every one started during backward",
+                 o["buckets"] >= 3 and o["started_in_backward"] == o["buckets"], o)
+    c.expect("overlap=True trains to the same bits as overlap=False", r["identical"],
+             "overlap=True changed the numbers")
+    c.expect("parameters moved, identical on the ranks", r["moved"] > 1e-4 and r["spread"] == 0.0,
+             (r["moved"], r["spread"]))
+
+
+EXPECT = {
+    "overlap": expect_overlap,
+    "overlap_thread_topk": expect_overlap_thread,
+    "overlap_thread_qsgd": expect_overlap_thread,
+    "average_none": expect_average(max_err_below=0.0, spread=True),
+    "average_fp16": expect_average(max_err_below=1e-3),
+    "average_bf16": expect_average(max_err_below=2e-2, max_err_above=0),  # Horovod has no bfloat16 collective
+    "identical_none_adam": expect_identical,
+    "identical_fp16": expect_identical,
+    "identical_randomk": expect_identical,
+    "identical_randomk_shared": expect_identical,
+    "randomk_bytes_mass": expect_randomk_bytes_mass,
+    "nan_skip": expect_nan_skip,
+    "checkpoint_randomk": expect_checkpoint,
+    "backward_passes": expect_backward_passes,
+}
+
+
+def main():
+    global RANK, SIZE
+    hvd.init()
+    torch.set_num_threads(1)
+    RANK, SIZE = hvd.rank(), hvd.size()
+    checks = Checks(RANK)
     names = sys.argv[1:] or list(CHECKS)
-    out = {"rank": RANK, "size": SIZE}
+    out = {"size": SIZE}
     for name in names:
         out[name] = CHECKS[name]()
-    emit(**out)
+        EXPECT[name](checks.section(name), out[name])
+    checks.emit(**out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,8 @@
 """Usage patterns of Horovod scripts not covered by horovod_compat.py (which runs under MPI:
 every optimizer, duplicate/missing names, clipping inside skip_synchronize, Adasum): here
 requires_grad changing between steps, backward_passes_per_step, a module used on one rank only
-with a compressed (allgather) exchange, and a parameter never given a gradient. Gloo, 2 ranks."""
+with a compressed (allgather) exchange, and a parameter never given a gradient. Gloo, 2 ranks. Each
+rank checks its results in-process (named checks, common.Checks)."""
 import os
 import sys
 
@@ -12,11 +13,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import emit  # noqa: E402
+from common import Checks  # noqa: E402
 
-hvd.init()
-torch.set_num_threads(1)
-RANK, SIZE = hvd.rank(), hvd.size()
+RANK, SIZE = None, None  # set by main() after hvd.init()
 
 
 class Net(torch.nn.Module):
@@ -48,10 +47,8 @@ def spread(m, name):
     return float((allp - allp[0:1]).abs().max())
 
 
-res = {"rank": RANK}
-
-# 1. requires_grad switched off then on again between steps (fine-tuning schedules)
-for spec in ("none", "topk:ratio=0.5"):
+def requires_grad_switch(spec):
+    """1. requires_grad switched off then on again between steps (fine-tuning schedules)"""
     model = fresh()
     opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(), compression=spec)
@@ -65,45 +62,81 @@ for spec in ("none", "topk:ratio=0.5"):
         opt.step()
         if 2 <= i < 4:
             frozen_moved |= not torch.equal(before, model.a.weight.detach())
-    res[f"requires_grad|{spec}"] = {"spread": spread(model, f"rg.{spec}"), "frozen_moved": frozen_moved}
+    return {"spread": spread(model, f"rg.{spec}"), "frozen_moved": frozen_moved}
 
-# 2. backward_passes_per_step=2: the step applies the average over ranks of the accumulated gradient
-model = fresh()
-opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(), backward_passes_per_step=2)
-errs, raised = [], False
-for step in range(2):
-    opt.zero_grad()
-    for k in range(2):
-        x, y = data(10 + 2 * step + k)
-        F.cross_entropy(model(x), y).backward()
-    local = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    opt.synchronize()
-    for n, p in model.named_parameters():
-        if n in local:
-            errs.append(float((p.grad - hvd.allreduce(local[n], name=f"bpps.{step}.{n}", op=hvd.Average)).abs().max()))
-    with opt.skip_synchronize():
+
+def backward_passes():
+    """2. backward_passes_per_step=2: the step applies the average over ranks of the accumulated gradient"""
+    model = fresh()
+    opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), backward_passes_per_step=2)
+    errs, raised = [], False
+    for step in range(2):
+        opt.zero_grad()
+        for k in range(2):
+            x, y = data(10 + 2 * step + k)
+            F.cross_entropy(model(x), y).backward()
+        local = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.synchronize()
+        for n, p in model.named_parameters():
+            if n in local:
+                errs.append(float((p.grad - hvd.allreduce(local[n], name=f"bpps.{step}.{n}",
+                                                          op=hvd.Average)).abs().max()))
+        with opt.skip_synchronize():
+            opt.step()
+    try:  # a third backward before step() is Horovod's AssertionError
+        opt.zero_grad()
+        for k in range(3):
+            F.cross_entropy(model(data(20)[0]), data(20)[1]).backward()
+    except AssertionError:
+        raised = True
+    return {"err": max(errs), "spread": spread(model, "bpps"), "third_backward_raises": raised}
+
+
+def one_rank_module():
+    """3. a module used on rank 0 only, with an allgather codec; a parameter nobody uses"""
+    model = fresh()
+    opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(), compression="qsgd:bits=8")
+    for i in range(3):
+        opt.zero_grad()
+        x, y = data(30 + i)
+        F.cross_entropy(model(x, extra=(RANK == 0)), y).backward()
         opt.step()
-try:  # a third backward before step() is Horovod's AssertionError
-    opt.zero_grad()
-    for k in range(3):
-        F.cross_entropy(model(data(20)[0]), data(20)[1]).backward()
-except AssertionError:
-    raised = True
-res["bpps"] = {"err": max(errs), "spread": spread(model, "bpps"), "third_backward_raises": raised}
+    return {"spread": spread(model, "orm"),
+            "extra_moved": bool((model.extra.weight.detach() - fresh().extra.weight).abs().max() > 0),
+            "unused_grad_zero": bool(model.unused.weight.grad is None
+                                     or float(model.unused.weight.grad.abs().max()) == 0.0)}
 
-# 3. a module used on rank 0 only, with an allgather codec; a parameter nobody uses
-model = fresh()
-opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                   named_parameters=model.named_parameters(), compression="qsgd:bits=8")
-for i in range(3):
-    opt.zero_grad()
-    x, y = data(30 + i)
-    F.cross_entropy(model(x, extra=(RANK == 0)), y).backward()
-    opt.step()
-res["one_rank_module"] = {"spread": spread(model, "orm"),
-                          "extra_moved": bool((model.extra.weight.detach() - fresh().extra.weight).abs().max() > 0),
-                          "unused_grad_zero": bool(model.unused.weight.grad is None
-                                                   or float(model.unused.weight.grad.abs().max()) == 0.0)}
-emit(**res)
-hvd.barrier()
+
+def check(c, res):
+    for spec in ("none", "topk:ratio=0.5"):
+        x = res[f"requires_grad|{spec}"]
+        c.expect(f"requires_grad|{spec}: ranks identical", x["spread"] == 0.0, x)
+        c.expect(f"requires_grad|{spec}: a frozen parameter does not move, not even by feedback",
+                 not x["frozen_moved"], x)
+    c.expect("bpps: the ranks' average of the accumulated gradient, ranks identical, a third backward raises",
+             res["bpps"] == {"err": 0.0, "spread": 0.0, "third_backward_raises": True}, res["bpps"])
+    o = res["one_rank_module"]
+    c.expect("one_rank_module: ranks identical, the rank-0-only module moved, an unused parameter's gradient zero",
+             o["spread"] == 0.0 and o["extra_moved"] and o["unused_grad_zero"], o)
+
+
+def main():
+    global RANK, SIZE
+    hvd.init()
+    torch.set_num_threads(1)
+    RANK, SIZE = hvd.rank(), hvd.size()
+    res = {"rank": RANK}
+    for spec in ("none", "topk:ratio=0.5"):
+        res[f"requires_grad|{spec}"] = requires_grad_switch(spec)
+    res["bpps"] = backward_passes()
+    res["one_rank_module"] = one_rank_module()
+    checks = Checks(RANK)
+    check(checks, res)
+    checks.emit(**res)
+    hvd.barrier()
+
+
+if __name__ == "__main__":
+    main()

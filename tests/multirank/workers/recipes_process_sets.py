@@ -1,6 +1,7 @@
 """Process sets as in Horovod (4 ranks): even = {0, 2}, odd = {1, 3}. An optimizer on the even set
 is built on every rank; odd ranks step locally without communicating, even ranks average among
-themselves. Then the odd set gets its own optimizer (and a LocalSGD strategy) the other way round."""
+themselves. Then the odd set gets its own optimizer (and a LocalSGD strategy) the other way round.
+Each rank checks its results in-process (named checks, common.Checks)."""
 import os
 import sys
 
@@ -11,12 +12,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import emit  # noqa: E402
+from common import Checks  # noqa: E402
 
-even, odd = hvd.ProcessSet([0, 2]), hvd.ProcessSet([1, 3])
-hvd.init(process_sets=[even, odd])
-torch.set_num_threads(1)
-RANK, SIZE = hvd.rank(), hvd.size()
+RANK, SIZE, even, odd = None, None, None, None  # set by main() at hvd.init()
 
 
 def model_fn():
@@ -63,10 +61,39 @@ def run(pset, spec, sync_spec=None, steps=4):
             "differs_from_member": float((allp[RANK] - allp[members[0]]).abs().max())}
 
 
-res = {"rank": RANK, "size": SIZE,
-       "even_none": run(even, "none"),
-       "even_topk": run(even, "topk:ratio=0.3"),
-       "odd_qsgd": run(odd, "qsgd:bits=8"),
-       "odd_local": run(odd, "none", "local:period=2")}
-emit(**res)
-hvd.barrier()
+def check(checks, res):
+    for case, c in res.items():
+        if not isinstance(c, dict):
+            continue
+        member = (RANK % 2 == 0) == case.startswith("even")
+        x = checks.section(case)
+        x.expect(f"included = {member} (member of the set)", c["included"] == member, c)
+        x.expect("the set's ranks agree", c["members_spread"] == 0.0, c)
+        if member:  # they did exchange
+            x.expect("a member: the set's average, not a local step",
+                     c["differs_from_member"] == 0.0 and c["local_err"] > 0, c)
+        else:
+            x.expect("not a member: never communicated", c["collectives"] == 0, c)
+            x.expect("not a member: exactly a local torch step", c["local_err"] < 1e-6, c)
+            x.expect("not a member: differs from the members", c["differs_from_member"] > 0, c)
+
+
+def main():
+    global RANK, SIZE, even, odd
+    even, odd = hvd.ProcessSet([0, 2]), hvd.ProcessSet([1, 3])
+    hvd.init(process_sets=[even, odd])
+    torch.set_num_threads(1)
+    RANK, SIZE = hvd.rank(), hvd.size()
+    res = {"size": SIZE,
+           "even_none": run(even, "none"),
+           "even_topk": run(even, "topk:ratio=0.3"),
+           "odd_qsgd": run(odd, "qsgd:bits=8"),
+           "odd_local": run(odd, "none", "local:period=2")}
+    checks = Checks(RANK)
+    check(checks, res)
+    checks.emit(**res)
+    hvd.barrier()
+
+
+if __name__ == "__main__":
+    main()

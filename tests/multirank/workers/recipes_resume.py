@@ -2,7 +2,7 @@
 then ``hvd.broadcast_parameters`` + ``hvd.broadcast_optimizer_state`` and training goes on.
 
 Also: a process set that excludes rank 1 (2 ranks), and the sync strategies resumed on rank 0 only.
-Prints one RESULT line per rank.
+Each rank checks its results in-process (named checks, common.Checks) and prints one RESULT line.
 """
 import os
 import sys
@@ -14,12 +14,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import emit  # noqa: E402
+from common import Checks  # noqa: E402
 
-only0 = hvd.ProcessSet([0])
-hvd.init(process_sets=[only0])
-torch.set_num_threads(1)
-RANK, SIZE = hvd.rank(), hvd.size()
+RANK, SIZE, only0 = None, None, None  # set by main() at hvd.init()
 
 
 def model_fn():
@@ -85,22 +82,21 @@ def resume_case(cls, spec, steps=3):
             "same_hvd_ext_state": len(set(steps_seen)) == 1, "step": int(ext["step"])}
 
 
-res = {"rank": RANK, "size": SIZE}
+def every_optimizer():
+    """1. every torch optimizer (LBFGS: Horovod refuses to broadcast its state; SparseAdam: sparse test)"""
+    classes = sorted((c.__name__, c) for c in torch.optim.Optimizer.__subclasses__()
+                     if c.__module__.startswith("torch.optim") and c not in (torch.optim.LBFGS, torch.optim.SparseAdam)
+                     and c.__name__ != "Muon")
+    return {name: resume_case(cls, "none") for name, cls in classes}
 
-# 1. every torch optimizer (LBFGS: Horovod refuses to broadcast its state; SparseAdam: sparse test)
-classes = sorted((c.__name__, c) for c in torch.optim.Optimizer.__subclasses__()
-                 if c.__module__.startswith("torch.optim") and c not in (torch.optim.LBFGS, torch.optim.SparseAdam)
-                 and c.__name__ != "Muon")
-res["optimizers"] = {name: resume_case(cls, "none") for name, cls in classes}
 
 # 2. compressors with feedback and/or compressor state (and step-dependent selection)
-specs = ["fp16", "topk:ratio=0.3", "topk:ratio=0.3,feedback=ewma", "powersgd:rank=1,min_compression=1",
+SPECS = ["fp16", "topk:ratio=0.3", "topk:ratio=0.3,feedback=ewma", "powersgd:rank=1,min_compression=1",
          "dgc:ratio=0.3", "signum", "randomk:ratio=0.3,shared=1", "qsgd:bits=4"]
-res["compressors"] = {spec: resume_case(torch.optim.SGD, spec) for spec in specs}
 
-# 3. sync strategies: strategy state loaded on rank 0 only
-sync_res = {}
-for sspec in ["every", "local:period=2", "adaptive:min=1,max=4"]:
+
+def sync_case(sspec):
+    """3. sync strategies: strategy state loaded on rank 0 only"""
     model = model_fn()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
@@ -121,23 +117,71 @@ for sspec in ["every", "local:period=2", "adaptive:min=1,max=4"]:
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     train(model, opt, 3, 5, sync)
     sync.finish()
-    sync_res[sspec] = {"spread": spread(model), "steps": sync.state_dict().get("steps")}
-res["sync"] = sync_res
+    return {"spread": spread(model), "steps": sync.state_dict().get("steps")}
 
-# 4. a process set that excludes rank 1: constructs, steps locally, no communication there
-model = model_fn()
-before = flat(model).clone()
-opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                                   compression="topk:ratio=0.5", process_set=only0)
-collectives_before = opt.exchange.stats.collectives
-x, y = data(50)
-opt.zero_grad()
-F.cross_entropy(model(x), y).backward()
-expected = before - 0.1 * torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-opt.step()
-res["outside_set"] = {"included": only0.included(),
-                      "collectives": opt.exchange.stats.collectives - collectives_before,
-                      "local_step_err": float((flat(model) - expected).abs().max()) if RANK != 0 else None,
-                      "changed": bool((flat(model) - before).abs().max() > 0)}
-emit(**res)
-hvd.barrier()  # nobody shuts Horovod down while a process set collective still runs
+
+def outside_set():
+    """4. a process set that excludes rank 1: constructs, steps locally, no communication there"""
+    model = model_fn()
+    before = flat(model).clone()
+    opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression="topk:ratio=0.5", process_set=only0)
+    collectives_before = opt.exchange.stats.collectives
+    x, y = data(50)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    expected = before - 0.1 * torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    opt.step()
+    return {"included": only0.included(),
+            "collectives": opt.exchange.stats.collectives - collectives_before,
+            "local_step_err": float((flat(model) - expected).abs().max()) if RANK != 0 else None,
+            "changed": bool((flat(model) - before).abs().max() > 0)}
+
+
+def check(checks, r):
+    c = checks.section("optimizers")
+    c.expect("at least 10 torch optimizers", len(r["optimizers"]) >= 10, sorted(r["optimizers"]))
+    for name, x in r["optimizers"].items():
+        c.expect(f"{name}: the state-creating step moved no parameter", x["after_recipe"] == 0.0, x)
+        c.expect(f"{name}: ranks identical, finite", x["spread"] == 0.0 and x["finite"], x)
+        c.expect(f"{name}: the same hvd_ext state on the ranks, 6 steps", x["same_hvd_ext_state"] and x["step"] == 6, x)
+    c = checks.section("compressors")
+    for spec, x in r["compressors"].items():
+        c.expect(f"{spec}: no parameter moved by the recipe, ranks identical, finite",
+                 x["after_recipe"] == 0.0 and x["spread"] == 0.0 and x["finite"], x)
+        c.expect(f"{spec}: rank 1 took rank 0's exchange count (6)", x["step"] == 6, x)
+        if spec != "signum":  # signum's momentum is per rank by design
+            c.expect(f"{spec}: the same hvd_ext state on the ranks", x["same_hvd_ext_state"], x)
+    c = checks.section("sync")
+    for sspec, x in r["sync"].items():
+        c.expect(f"{sspec}: ranks identical", x["spread"] == 0.0, x)
+    c.expect("local:period=2: rank 1 took rank 0's strategy counters (8 steps)",
+             r["sync"]["local:period=2"]["steps"] == 8, r["sync"]["local:period=2"])
+    # 2 ranks, process set {0}: rank 1 builds the optimizer and steps locally, no collective
+    c, ps = checks.section("outside_set"), r["outside_set"]
+    c.expect("included on rank 0 only; the step changed the parameters",
+             ps["included"] == (RANK == 0) and ps["changed"], ps)
+    if RANK == 1:
+        c.expect("rank 1: no collective, exactly a local step", ps["collectives"] == 0 and ps["local_step_err"] < 1e-6,
+                 ps)
+
+
+def main():
+    global RANK, SIZE, only0
+    only0 = hvd.ProcessSet([0])
+    hvd.init(process_sets=[only0])
+    torch.set_num_threads(1)
+    RANK, SIZE = hvd.rank(), hvd.size()
+    res = {"size": SIZE, "optimizers": every_optimizer(),
+           "compressors": {spec: resume_case(torch.optim.SGD, spec) for spec in SPECS},
+           "sync": {sspec: sync_case(sspec) for sspec in ["every", "local:period=2", "adaptive:min=1,max=4"]},
+           "outside_set": outside_set()}
+    checks = Checks(RANK)
+    check(checks, res)
+    checks.emit(**res)
+    hvd.barrier()  # nobody shuts Horovod down while a process set collective still runs
+
+
+if __name__ == "__main__":
+    main()

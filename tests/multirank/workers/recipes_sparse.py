@@ -1,5 +1,6 @@
 """Sparse embeddings: gradients exchanged as indices + values and handed back sparse (SparseAdam,
-SGD), or dense with sparse_as_dense=True. Gloo, 2 ranks."""
+SGD), or dense with sparse_as_dense=True. Gloo, 2 ranks. Each rank checks its results in-process
+(named checks, common.Checks)."""
 import os
 import sys
 
@@ -10,11 +11,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import emit  # noqa: E402
+from common import Checks  # noqa: E402
 
-hvd.init()
-torch.set_num_threads(1)
-RANK = hvd.rank()
+RANK = None  # set by main() after hvd.init()
 VOCAB, DIM = 1000, 16
 
 
@@ -72,22 +71,6 @@ def run(case, make_opts, steps=3, check_grad=False):
     return out
 
 
-res = {"rank": RANK}
-res["sgd"] = run("sgd", lambda m: [hvd_ext.DistributedOptimizer(
-    torch.optim.SGD(m.parameters(), lr=0.5), named_parameters=m.named_parameters())], check_grad=True)
-res["sgd_topk"] = run("sgd_topk", lambda m: [hvd_ext.DistributedOptimizer(
-    torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9), named_parameters=m.named_parameters(),
-    compression="topk:ratio=0.3")])
-res["sparse_adam"] = run("sparse_adam", lambda m: [
-    hvd_ext.DistributedOptimizer(torch.optim.SparseAdam(list(m.emb.parameters()), lr=0.01),
-                                 named_parameters=list(m.emb.named_parameters())),
-    hvd_ext.DistributedOptimizer(torch.optim.Adam(m.head.parameters(), lr=0.01),
-                                 named_parameters=list(m.head.named_parameters()))], check_grad=True)
-res["as_dense"] = run("as_dense", lambda m: [hvd_ext.DistributedOptimizer(
-    torch.optim.SGD(m.parameters(), lr=0.5), named_parameters=m.named_parameters(), sparse_as_dense=True)],
-    check_grad=True)
-
-
 def horovod_sparse_embeddings():
     """Horovod's test_sparse_embeddings: SparseAdam, no named_parameters, ranks with different batch
     shapes, the plain zero_grad/backward/step loop; the first step too must hand back sparse grads."""
@@ -108,7 +91,49 @@ def horovod_sparse_embeddings():
     return out
 
 
-res["horovod_sparse_embeddings"] = horovod_sparse_embeddings()
-res["dense_bytes"] = VOCAB * DIM * 4
-emit(**res)
-hvd.barrier()
+def check(c, r):
+    for case in ("sgd", "sgd_topk", "sparse_adam"):
+        x = r[case]
+        c.expect(f"{case}: gradients handed back sparse, the ranks' average, ranks identical",
+                 all(x["sparse_grad"]) and x["spread"] == 0.0 and x["err"] < 1e-6, x)
+        # first step learns which gradients are sparse (dense exchange); then indices + values only
+        c.expect(f"{case}: after the first step, indices + values only (under 1/20 of dense bytes)",
+                 max(x["bytes"][1:]) * 20 < r["dense_bytes"], (x["bytes"], r["dense_bytes"]))
+    d = r["as_dense"]  # exchanged dense, handed back sparse (Horovod's sparse_as_dense)
+    c.expect("as_dense: handed back sparse, the ranks' average, ranks identical",
+             all(d["sparse_grad"]) and d["spread"] == 0.0 and d["err"] < 1e-6, d)
+    c.expect("as_dense: exchanged dense", min(d["bytes"]) >= r["dense_bytes"], (d["bytes"], r["dense_bytes"]))
+    for case, h in r["horovod_sparse_embeddings"].items():  # SparseAdam from the first step
+        c.expect(f"horovod_sparse_embeddings {case}: sparse gradients from the first step, ranks identical",
+                 h["sparse_grad"] == [True, True] and h["spread"] == 0.0, h)
+
+
+def main():
+    global RANK
+    hvd.init()
+    torch.set_num_threads(1)
+    RANK = hvd.rank()
+    res = {"rank": RANK}
+    res["sgd"] = run("sgd", lambda m: [hvd_ext.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.5), named_parameters=m.named_parameters())], check_grad=True)
+    res["sgd_topk"] = run("sgd_topk", lambda m: [hvd_ext.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9), named_parameters=m.named_parameters(),
+        compression="topk:ratio=0.3")])
+    res["sparse_adam"] = run("sparse_adam", lambda m: [
+        hvd_ext.DistributedOptimizer(torch.optim.SparseAdam(list(m.emb.parameters()), lr=0.01),
+                                     named_parameters=list(m.emb.named_parameters())),
+        hvd_ext.DistributedOptimizer(torch.optim.Adam(m.head.parameters(), lr=0.01),
+                                     named_parameters=list(m.head.named_parameters()))], check_grad=True)
+    res["as_dense"] = run("as_dense", lambda m: [hvd_ext.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.5), named_parameters=m.named_parameters(), sparse_as_dense=True)],
+        check_grad=True)
+    res["horovod_sparse_embeddings"] = horovod_sparse_embeddings()
+    res["dense_bytes"] = VOCAB * DIM * 4
+    checks = Checks(RANK)
+    check(checks, res)
+    checks.emit(**res)
+    hvd.barrier()
+
+
+if __name__ == "__main__":
+    main()

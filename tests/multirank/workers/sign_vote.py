@@ -6,6 +6,8 @@
   noise; the averaged update must equal A (rank 2) after the P/Q allreduce rounds,
   identical on both ranks, and the vector (bias) is sent uncompressed.
 * qdist:budget=3: 2 steps on a tiny MLP; decoded averaged gradients agree bit for bit.
+
+Each rank checks its results in-process (named checks, common.Checks).
 """
 import os
 import sys
@@ -16,7 +18,7 @@ import torch  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import emit  # noqa: E402
+from common import Checks  # noqa: E402
 
 
 def set_and_sync(opt, params, grads):
@@ -54,7 +56,7 @@ def main():
     M = torch.nn.Parameter(torch.zeros(12, 9))
     v = torch.nn.Parameter(torch.zeros(12))
     opt = hvd_ext.DistributedOptimizer(torch.optim.SGD([M, v], lr=1.0), named_parameters=[("M", M), ("v", v)],
-                                       compression="powersgd:rank=2,start_step=0")
+                                       compression="powersgd:rank=2,warmup=0")
     vec = torch.arange(12.0) * (rank + 1)
     gm, gv = set_and_sync(opt, [M, v], [A + (B if rank == 0 else -B), vec])
     out["psgd_err"] = float((gm - A).abs().max())
@@ -86,7 +88,26 @@ def main():
     out["qdist_agree"] = agree
     out["qdist_params_agree"] = gathered_equal(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     out["qdist_bits"] = {k: b for k, (s, b) in opt.compression._alloc.items()}
-    emit(**out)
+    checks = Checks(rank)
+    check(checks, out)
+    checks.emit(**out)
+
+
+def check(c, r):
+    c.expect("signsgd: the applied gradient is the bare majority vote (0 on ties)",
+             r["vote"] == [1.0, 0.0, 0.0, -1.0, 1.0, 0.0, 0.0, 0.0], r["vote"])
+    # exchange header 12 + 1 byte of signs (a frame's last payload is not padded)
+    c.expect("signsgd: 13 bytes sent", r["vote_bytes"] == 13, r["vote_bytes"])
+    c.expect("powersgd: the averaged update is A (rank 2)", r["psgd_err"] < 1e-4, r["psgd_err"])
+    c.expect("powersgd: the vector is sent uncompressed (exact mean)", r["psgd_vec_err"] == 0.0, r["psgd_vec_err"])
+    c.expect("powersgd: ranks agree bit for bit", r["psgd_agree"])
+    c.expect("powersgd: Q memory kept for the matrix", r["psgd_has_q"])
+    c.expect("powersgd: the ranks' residual memories sum to 0", r["psgd_mem_sum"] < 1e-4, r["psgd_mem_sum"])
+    c.expect("qdist: decoded averaged gradients agree bit for bit at both steps", r["qdist_agree"] == [True, True],
+             r["qdist_agree"])
+    c.expect("qdist: parameters agree", r["qdist_params_agree"])
+    c.expect("qdist: a bit width for every tensor",
+             set(r["qdist_bits"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}, r["qdist_bits"])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ For each spec: same model on both ranks, different data per rank, 3 steps.
 After every synchronize() the decoded averaged gradients are allgathered and
 compared bit for bit; parameters are compared at the end. For exact top-k the
 step-0 result is also checked against (topk(g_0) + topk(g_1)) / 2 computed
-from both ranks' raw gradients, and the bytes sent against wire_bytes().
+from both ranks' raw gradients, and the bytes sent against wire_bytes(). Each rank checks these
+in-process (named checks, common.Checks).
 """
 import os
 import sys
@@ -16,14 +17,14 @@ import horovod.torch as hvd  # noqa: E402
 
 import hvd_ext  # noqa: E402
 from hvd_ext.compression._sparse import topk_indices, count_for  # noqa: E402
-from common import emit  # noqa: E402
+from common import Checks  # noqa: E402
 
 SPECS = [
     "topk:ratio=0.01,scope=layer",
     "topk:ratio=0.01,mode=sampled,values=fp16,scope=layer",
     "topk:ratio=0.02,scope=model,feedback=ewma,lambda=0.5",
     "threshold:tau=0.002",
-    "dgc:ratio=0.01,mode=exact,warmup_steps=2,warmup_stages=2,clip=5",
+    "dgc:ratio=0.01,mode=exact,ramp_steps=2,ramp_stages=2,clip=5",
     "sig:ratio=0.01,alpha=1",
 ]
 
@@ -90,7 +91,26 @@ def main():
         rec["params_agree"] = bool(torch.equal(allp[0], allp[1]))
         rec["numel"] = int(pflat.numel())
         out["specs"][spec] = rec
-    emit(**out)
+    checks = Checks(rank)
+    check(checks, out["specs"])
+    checks.emit(**out)
+
+
+def check(c, specs):
+    for spec, rec in specs.items():
+        c.expect(f"{spec}: decoded averaged gradients agree bit for bit at every step", rec["agree"] == [True] * 3,
+                 rec["agree"])
+        c.expect(f"{spec}: parameters agree at the end", rec["params_agree"])
+        c.expect(f"{spec}: the averaged gradient is sparse, not empty",
+                 all(0 < nz < rec["numel"] for nz in rec["nonzero"]), (rec["nonzero"], rec["numel"]))
+    top = specs["topk:ratio=0.01,scope=layer"]
+    c.expect("topk:ratio=0.01,scope=layer: step 0 is the mean of the ranks' exact top-k", top["ref_ok"] is True)
+    c.expect("topk:ratio=0.01,scope=layer: bytes sent are wire_bytes()'s layout",
+             top["bytes_ok"][0] == top["bytes_ok"][1], top["bytes_ok"])
+    # about 2% nonzero after averaging two 1% selections
+    bound = 2 * sum(count_for(0.01, n) for n in (40 * 2000, 2000, 2000 * 3, 3))
+    c.expect("topk:ratio=0.01,scope=layer: at most the two ranks' selections nonzero", max(top["nonzero"]) <= bound,
+             (top["nonzero"], bound))
 
 
 if __name__ == "__main__":

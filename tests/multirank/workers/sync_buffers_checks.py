@@ -1,5 +1,6 @@
 """BatchNorm buffers across 2 ranks (MPI controller): plain data parallel lets them drift,
-average_buffers makes them equal; LocalSGD and EventTriggeredSGD end with equal buffers."""
+average_buffers makes them equal; LocalSGD and EventTriggeredSGD end with equal buffers. Each rank
+checks its results in-process (named checks, common.Checks)."""
 import os
 import sys
 
@@ -10,14 +11,11 @@ from mpi4py import MPI  # noqa: E402
 
 import horovod.torch as hvd  # noqa: E402
 
-hvd.init(comm=MPI.COMM_WORLD)
-
 import hvd_ext  # noqa: E402
-from common import emit  # noqa: E402
+from common import Checks  # noqa: E402
 from hvd_ext.sync import EventTriggeredSGD, LocalSGD, average_buffers, buffer_spread  # noqa: E402
 
-torch.set_num_threads(1)
-rank = hvd.rank()
+rank = None  # set by main() after hvd.init()
 
 
 def make():
@@ -47,37 +45,74 @@ def train(m, opt, sync=None, steps=12):
         sync.step(loss) if sync is not None else opt.step()
 
 
-out = {}
-# 1. every-step gradient averaging: parameters equal, BN buffers not
-m, opt = make()
-train(m, opt)
-before = bufvec(m)
-allb = hvd.allgather_object(before.tolist(), name="t.before")
-out["every_spread"] = buffer_spread(m)
-nbytes = average_buffers(m)
-after = bufvec(m)
-mean = torch.tensor(allb, dtype=torch.float64).mean(0)
-out["avg_err"] = float((after - mean).abs().max())
-out["avg_bytes"] = nbytes
-out["every_spread_after"] = buffer_spread(m)
-p = torch.cat([q.detach().reshape(-1) for q in m.parameters()])
-out["param_diff"] = float((p - hvd.broadcast(p, 0, name="t.p")).abs().max())
-
-# 2. LocalSGD averages buffers with the parameters
-m, opt = make()
-s = LocalSGD(opt, m, period=4)
-train(m, opt, s, steps=10)  # 10 % 4 != 0: finish() makes the last average
-s.finish()
-out["local_spread"] = buffer_spread(m)
-
-# 3. EventTriggeredSGD: buffers averaged in finish(); with sync_buffers=False they stay apart
-for flag in (True, False):
+def every_step(out):
+    """1. every-step gradient averaging: parameters equal, BN buffers not"""
     m, opt = make()
-    s = EventTriggeredSGD(opt, m, tau_min=2, tau_max=4, sync_buffers=flag, progress="thread")
-    train(m, opt, s, steps=10)
-    s.finish()
-    out[f"event_spread_{flag}"] = buffer_spread(m)
+    train(m, opt)
+    before = bufvec(m)
+    allb = hvd.allgather_object(before.tolist(), name="t.before")
+    out["every_spread"] = buffer_spread(m)
+    nbytes = average_buffers(m)
+    after = bufvec(m)
+    mean = torch.tensor(allb, dtype=torch.float64).mean(0)
+    out["avg_err"] = float((after - mean).abs().max())
+    out["avg_bytes"] = nbytes
+    out["every_spread_after"] = buffer_spread(m)
     p = torch.cat([q.detach().reshape(-1) for q in m.parameters()])
-    out[f"event_param_diff_{flag}"] = float((p - hvd.broadcast(p, 0, name=f"t.ep{flag}")).abs().max())
-    s.close()
-emit(rank=rank, **out)
+    out["param_diff"] = float((p - hvd.broadcast(p, 0, name="t.p")).abs().max())
+
+
+def local(out):
+    """2. LocalSGD averages buffers with the parameters"""
+    m, opt = make()
+    s = LocalSGD(opt, m, period=4)
+    train(m, opt, s, steps=10)  # 10 % 4 != 0: finish() makes the last average
+    s.finish()
+    out["local_spread"] = buffer_spread(m)
+
+
+def event(out):
+    """3. EventTriggeredSGD: buffers averaged in finish(); with sync_buffers=False they stay apart"""
+    for flag in (True, False):
+        m, opt = make()
+        s = EventTriggeredSGD(opt, m, tau_min=2, tau_max=4, sync_buffers=flag, progress="thread")
+        train(m, opt, s, steps=10)
+        s.finish()
+        out[f"event_spread_{flag}"] = buffer_spread(m)
+        p = torch.cat([q.detach().reshape(-1) for q in m.parameters()])
+        out[f"event_param_diff_{flag}"] = float((p - hvd.broadcast(p, 0, name=f"t.ep{flag}")).abs().max())
+        s.close()
+
+
+def check(c, r):
+    c.expect("gradients averaged: parameters identical", r["param_diff"] == 0.0, r["param_diff"])
+    c.expect("... but the BN running stats are not", r["every_spread"] > 0.05, r["every_spread"])
+    c.expect("average_buffers = mean of the ranks' buffers", r["avg_err"] < 1e-6, r["avg_err"])
+    c.expect("buffers equal after average_buffers", r["every_spread_after"] == 0.0, r["every_spread_after"])
+    c.expect("average_buffers sends running_mean + running_var (float32), not the int counter",
+             r["avg_bytes"] == 4 * 2 * 16, r["avg_bytes"])
+    c.expect("LocalSGD ends with equal buffers", r["local_spread"] == 0.0, r["local_spread"])
+    c.expect("EventTriggeredSGD(sync_buffers=True) ends with equal buffers and parameters",
+             r["event_spread_True"] == 0.0 and r["event_param_diff_True"] == 0.0,
+             (r["event_spread_True"], r["event_param_diff_True"]))
+    c.expect("EventTriggeredSGD(sync_buffers=False): buffers apart, parameters equal",
+             r["event_spread_False"] > 0.05 and r["event_param_diff_False"] == 0.0,
+             (r["event_spread_False"], r["event_param_diff_False"]))
+
+
+def main():
+    global rank
+    hvd.init(comm=MPI.COMM_WORLD)
+    torch.set_num_threads(1)
+    rank = hvd.rank()
+    out = {}
+    every_step(out)
+    local(out)
+    event(out)
+    checks = Checks(rank)
+    check(checks, out)
+    checks.emit(rank=rank, **out)
+
+
+if __name__ == "__main__":
+    main()

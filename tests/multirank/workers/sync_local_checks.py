@@ -1,4 +1,6 @@
-"""LocalSGD / AdaptiveSync checks on 2 ranks (Gloo controller); one RESULT line per rank."""
+"""LocalSGD / AdaptiveSync checks on 2 ranks (Gloo controller); one RESULT line per rank. Each rank
+checks its results in-process (named checks "h1: ...", "local: ...", "adaptive: ...", "event: ...",
+common.Checks); the test compares the ranks' AdaptiveSync decisions."""
 import os
 import sys
 
@@ -8,11 +10,9 @@ import torch  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import emit  # noqa: E402
+from common import Checks  # noqa: E402
 
-hvd.init()
-torch.set_num_threads(1)
-rank, size = hvd.rank(), hvd.size()
+rank, size = None, None  # set by main() after hvd.init()
 
 
 def make_model(seed=0):
@@ -39,86 +39,133 @@ def spread(model, name):
     return float((allp - allp[0]).abs().max())
 
 
-out = {"rank": rank, "size": size}
+def h1():
+    """1. LocalSGD(H=1) around a plain optimizer == synchronous DistributedOptimizer (momentum + wd)"""
+    K = 6
+    m_a = make_model()
+    o_a = torch.optim.SGD(m_a.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    s_a = hvd_ext.LocalSGD(o_a, m_a, period=1)
+    m_b = make_model()
+    o_b = hvd_ext.DistributedOptimizer(torch.optim.SGD(m_b.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3),
+                                       named_parameters=m_b.named_parameters())
+    for t in range(K):
+        for m, o, s in ((m_a, o_a, s_a), (m_b, o_b, None)):
+            o.zero_grad()
+            loss_of(m, t).backward()
+            (s.step() if s else o.step())
+    return {"max_diff": float((flat(m_a) - flat(m_b)).abs().max()),
+            "moved": float((flat(m_b) - flat(make_model())).abs().max()),
+            "spread": spread(m_a, "h1.spread"), "exchanges": s_a.exchanges}
 
-# 1. LocalSGD(H=1) around a plain optimizer == synchronous DistributedOptimizer (momentum + wd)
-K = 6
-m_a = make_model()
-o_a = torch.optim.SGD(m_a.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
-s_a = hvd_ext.LocalSGD(o_a, m_a, period=1)
-m_b = make_model()
-o_b = hvd_ext.DistributedOptimizer(torch.optim.SGD(m_b.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3),
-                                   named_parameters=m_b.named_parameters())
-for t in range(K):
-    for m, o, s in ((m_a, o_a, s_a), (m_b, o_b, None)):
+
+def local():
+    """2. LocalSGD(H=3, warmup=2) around DistributedOptimizer: identical after syncs, divergent between"""
+    m = make_model()
+    o = hvd_ext.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                     named_parameters=m.named_parameters())
+    s = hvd_ext.LocalSGD(o, m, period=3, warmup=2)
+    spreads = []
+    for t in range(10):
         o.zero_grad()
         loss_of(m, t).backward()
-        (s.step() if s else o.step())
-out["h1"] = {"max_diff": float((flat(m_a) - flat(m_b)).abs().max()), "moved": float((flat(m_b) - flat(make_model())).abs().max()),
-             "spread": spread(m_a, "h1.spread"), "exchanges": s_a.exchanges}
+        s.step()
+        spreads.append(spread(m, f"l3.spread.{t}"))
+    s.finish()
+    return {"spreads": spreads, "final_spread": spread(m, "l3.final"), "syncs": s.syncs,
+            "grad_steps": s.grad_steps, "exchanges": s.exchanges, "stats_exchanges": o.stats.exchanges,
+            "stats_steps": o.stats.steps}
 
-# 2. LocalSGD(H=3, warmup=2) around DistributedOptimizer: identical after syncs, divergent between
-m = make_model()
-o = hvd_ext.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-                                 named_parameters=m.named_parameters())
-s = hvd_ext.LocalSGD(o, m, period=3, warmup_steps=2)
-spreads = []
-for t in range(10):
+
+def adaptive():
+    """3. AdaptiveSync: decisions from constructed momentum"""
+    m = make_model()
+    o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    a = hvd_ext.AdaptiveSync(o, m, min_period=2, max_period=10, period=8, delta_lo=0.2, delta_hi=0.5)
     o.zero_grad()
-    loss_of(m, t).backward()
-    s.step()
-    spreads.append(spread(m, f"l3.spread.{t}"))
-s.finish()
-out["local"] = {"spreads": spreads, "final_spread": spread(m, "l3.final"), "syncs": s.syncs,
-                "grad_steps": s.grad_steps, "exchanges": s.exchanges, "stats_exchanges": o.stats.exchanges,
-                "stats_steps": o.stats.steps}
+    loss_of(m, 0).backward()
+    o.step()  # creates momentum buffers
+    for p in m.parameters():  # agree: identical momentum on every rank
+        o.state[p]["momentum_buffer"].fill_(0.5)
+    a._average()
+    agree = (a.last_delta, a.period)
 
-# 3. AdaptiveSync: decisions from constructed momentum
-m = make_model()
-o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-a = hvd_ext.AdaptiveSync(o, m, min_period=2, max_period=10, period=8, delta_lo=0.2, delta_hi=0.5)
-o.zero_grad()
-loss_of(m, 0).backward()
-o.step()  # creates momentum buffers
-for p in m.parameters():  # agree: identical momentum on every rank
-    o.state[p]["momentum_buffer"].fill_(0.5)
-a._average()
-agree = (a.last_delta, a.period)
+    def diverge_momentum():  # rank-dependent momentum of opposite sign
+        for p in m.parameters():
+            o.state[p]["momentum_buffer"].fill_(1.0 + 3.0 * (1 if rank == 0 else -1))
+
+    diverge_momentum()
+    a._average()
+    diverge = (a.last_delta, a.period)
+    diverge_momentum()
+    a._average()
+    diverge_momentum()
+    a._average()  # 4 -> 2 -> 2 (clamped at min)
+    clamp = a.period
+    mom = torch.cat([o.state[p]["momentum_buffer"].reshape(-1) for p in m.parameters()])
+    allm = hvd.allgather(mom.unsqueeze(0), name="ad.mom")
+    # a real run: identical period histories on both ranks
+    m2 = make_model()
+    o2 = hvd_ext.DistributedOptimizer(torch.optim.SGD(m2.parameters(), lr=0.05, momentum=0.9),
+                                      named_parameters=m2.named_parameters())
+    a2 = hvd_ext.AdaptiveSync(o2, m2, min_period=1, max_period=6)
+    for t in range(30):
+        o2.zero_grad()
+        loss_of(m2, t).backward()
+        a2.step()
+    a2.finish()
+    return {"agree": list(agree), "diverge": list(diverge), "clamp": clamp,
+            "mom_spread": float((allm - allm[0]).abs().max()),
+            "history": o2.stats.extra["period_history"], "spread": spread(m2, "ad.final"), "exchanges": a2.exchanges}
 
 
-def diverge_momentum():  # rank-dependent momentum of opposite sign
-    for p in m.parameters():
-        o.state[p]["momentum_buffer"].fill_(1.0 + 3.0 * (1 if rank == 0 else -1))
+def gloo_event_error():
+    """4. EventTriggeredSGD under Gloo: clear error, no MPI touched"""
+    m = make_model()
+    try:
+        hvd_ext.EventTriggeredSGD(torch.optim.SGD(m.parameters(), lr=0.1), m)
+        return None
+    except RuntimeError as e:
+        return str(e)
 
 
-diverge_momentum()
-a._average()
-diverge = (a.last_delta, a.period)
-diverge_momentum()
-a._average()
-diverge_momentum()
-a._average()  # 4 -> 2 -> 2 (clamped at min)
-clamp = a.period
-mom = torch.cat([o.state[p]["momentum_buffer"].reshape(-1) for p in m.parameters()])
-allm = hvd.allgather(mom.unsqueeze(0), name="ad.mom")
-# a real run: identical period histories on both ranks
-m2 = make_model()
-o2 = hvd_ext.DistributedOptimizer(torch.optim.SGD(m2.parameters(), lr=0.05, momentum=0.9),
-                                  named_parameters=m2.named_parameters())
-a2 = hvd_ext.AdaptiveSync(o2, m2, min_period=1, max_period=6)
-for t in range(30):
-    o2.zero_grad()
-    loss_of(m2, t).backward()
-    a2.step()
-a2.finish()
-out["adaptive"] = {"agree": agree, "diverge": diverge, "clamp": clamp, "mom_spread": float((allm - allm[0]).abs().max()),
-                   "history": o2.stats.extra["period_history"], "spread": spread(m2, "ad.final"),
-                   "exchanges": a2.exchanges}
+def check(c, out):
+    h = out["h1"]
+    c.expect("h1: LocalSGD(H=1) equals synchronous SGD, parameters moved, ranks identical, 6 exchanges",
+             h["moved"] > 1e-3 and h["max_diff"] < 1e-5 and h["spread"] == 0.0 and h["exchanges"] == 6, h)
+    L = out["local"]
+    sp = L["spreads"]
+    c.expect("local: warm-up: gradients exchanged each step (identical)", sp[0] == sp[1] == 0.0, sp)
+    c.expect("local: identical after the syncs after local steps 3 and 6", sp[4] == sp[7] == 0.0, sp)
+    c.expect("local: ranks drift between syncs", sp[2] > 0 and sp[3] > 0 and sp[8] > 0, sp)
+    c.expect("local: identical after finish()", L["final_spread"] == 0.0, L["final_spread"])
+    c.expect("local: 2 gradient steps, 3 syncs, 5 exchanges",
+             L["grad_steps"] == 2 and L["syncs"] == 3 and L["exchanges"] == 5, L)
+    c.expect("local: the optimizer's stats count 5 exchanges in 10 steps",
+             L["stats_exchanges"] == 5 and L["stats_steps"] == 10, L)
+    a = out["adaptive"]
+    c.expect("adaptive: ranks agree -> H + 1", a["agree"][0] == 0.0 and a["agree"][1] == 9, a["agree"])
+    c.expect("adaptive: ranks diverge -> H / 2", a["diverge"][0] > 0.5 and a["diverge"][1] == 4, a["diverge"])
+    c.expect("adaptive: never below min_period", a["clamp"] == 2, a["clamp"])
+    c.expect("adaptive: momentum buffers are synced too", a["mom_spread"] == 0.0, a["mom_spread"])
+    c.expect("adaptive: real run identical on the ranks, one exchange per history entry",
+             a["spread"] == 0.0 and a["exchanges"] == len(a["history"]), (a["spread"], a["exchanges"]))
+    c.expect("adaptive: periods within [1, 6]", all(1 <= h[2] <= 6 for h in a["history"]), a["history"])
+    e = out["gloo_event_error"]
+    c.expect("event: EventTriggeredSGD under Gloo raises, naming the MPI controller",
+             e is not None and "MPI controller" in e, e)
 
-# 4. EventTriggeredSGD under Gloo: clear error, no MPI touched
-try:
-    hvd_ext.EventTriggeredSGD(torch.optim.SGD(m.parameters(), lr=0.1), m)
-    out["gloo_event_error"] = None
-except RuntimeError as e:
-    out["gloo_event_error"] = str(e)
-emit(**out)
+
+def main():
+    global rank, size
+    hvd.init()
+    torch.set_num_threads(1)
+    rank, size = hvd.rank(), hvd.size()
+    out = {"rank": rank, "size": size, "h1": h1(), "local": local(), "adaptive": adaptive(),
+           "gloo_event_error": gloo_event_error()}
+    checks = Checks(rank)
+    check(checks, out)
+    checks.emit(**out)
+
+
+if __name__ == "__main__":
+    main()

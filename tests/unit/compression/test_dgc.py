@@ -11,7 +11,7 @@ from helpers.sparse import make, selected, sim_step
 
 
 def test_dgc_warmup_schedule():
-    c = compression_from_spec("dgc:ratio=0.001,start_ratio=0.25,warmup_steps=400,warmup_stages=4,mode=exact")
+    c = compression_from_spec("dgc:ratio=0.001,start_ratio=0.25,ramp_steps=400,ramp_stages=4,mode=exact")
     dens = [c.density(s) for s in (0, 99, 100, 199, 200, 300, 399, 400, 10_000)]
     r = (0.001 / 0.25) ** 0.25
     exp = [0.25, 0.25, 0.25 * r, 0.25 * r, 0.25 * r ** 2, 0.25 * r ** 3, 0.25 * r ** 3, 0.001, 0.001]
@@ -19,10 +19,10 @@ def test_dgc_warmup_schedule():
     assert c.sparsity(0) == 0.75 and c.sparsity(400) == pytest.approx(0.999)
     x = torch.randn(20_000, generator=torch.Generator().manual_seed(0))
     counts = [len(selected(compression_from_spec(
-        "dgc:ratio=0.001,warmup_steps=400,mode=exact,momentum=0"), x, step=s)[0]) for s in (0, 150, 250, 350, 400)]
+        "dgc:ratio=0.001,ramp_steps=400,mode=exact,momentum=0"), x, step=s)[0]) for s in (0, 150, 250, 350, 400)]
     assert counts == [count_for(c.density(s), 20_000) for s in (0, 150, 250, 350, 400)]
     assert counts == sorted(counts, reverse=True) and counts[0] == 5000 and counts[-1] == 20
-    cont = compression_from_spec("dgc:ratio=0.01,start_ratio=0.1,warmup_steps=10,warmup_stages=0")
+    cont = compression_from_spec("dgc:ratio=0.01,start_ratio=0.1,ramp_steps=10,ramp_stages=0")
     assert cont.density(5) == pytest.approx(0.1 * 0.1 ** 0.5) and cont.density(10) == 0.01
     assert compression_from_spec("dgc:ratio=0.01").density(0) == 0.01  # no warm-up by default
 

@@ -25,7 +25,7 @@ def test_powersgd_exact_for_low_rank_two_ranks():
     A = torch.randn(40, 3, generator=g) @ torch.randn(3, 6, 5, generator=g).reshape(3, 30)
     A = A.reshape(40, 6, 5)  # 3-D tensor viewed as 40 x 30
     D = torch.randn(40, 6, 5, generator=g)
-    comps = [C("powersgd:rank=3,start_step=0"), C("powersgd:rank=3,start_step=0")]
+    comps = [C("powersgd:rank=3,warmup=0"), C("powersgd:rank=3,warmup=0")]
     for step in range(2):  # first step and warm-started step
         res, payloads, _, _ = powersgd_round(comps, [A + D, A - D], step=step)
         assert payloads[0].numel() == 30 * 3  # second round: m x r
@@ -37,7 +37,7 @@ def test_powersgd_exact_for_low_rank_two_ranks():
 
 def test_powersgd_feedback_conserves_and_resumes():
     g = torch.Generator().manual_seed(5)
-    comp = C("powersgd:rank=1,start_step=0")
+    comp = C("powersgd:rank=1,warmup=0")
     fb = comp.feedback
     total_in, total_applied = torch.zeros(30, 20), torch.zeros(30, 20)
     for step in range(4):
@@ -59,7 +59,7 @@ def test_powersgd_feedback_conserves_and_resumes():
     # resume from the step-1 checkpoint: steps 2..3 give identical results
     g2 = torch.Generator().manual_seed(5)
     grads = [torch.randn(30, 20, generator=g2) for _ in range(4)]
-    comp2 = C("powersgd:rank=1,start_step=0")
+    comp2 = C("powersgd:rank=1,warmup=0")
     comp2.load_state_dict(state)
     comp2.feedback.load_state_dict(fstate)
     for step in (2, 3):
@@ -81,6 +81,6 @@ def test_powersgd_sends_vectors_and_tiny_dense():
         assert ctx[0] == "dense" and torch.equal(p, x.reshape(-1))
         assert torch.equal(comp.decompress(p, ctx, i), x)
         assert comp.wire_bytes_for(shape) == 4 * x.numel()
-    late = C("powersgd:rank=1,start_step=3")
+    late = C("powersgd:rank=1,warmup=3")
     assert late.compress(torch.randn(20, 20), info("t", (20, 20), step=2))[1][0] == "dense"
     assert late.compress(torch.randn(20, 20), info("t", (20, 20), step=3))[1][0] == "P"

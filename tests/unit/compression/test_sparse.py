@@ -137,8 +137,8 @@ def test_split_budget_properties():
     "topk:ratio=0", "topk:ratio=-0.1", "topk:ratio=1.5", "topk:ratio=nan", "topk:mode=fast",
     "topk:values=int8", "topk:scope=world", "topk:feedback=nope", "topk:ratio=0.1,feedback=ewma,beta=2",
     "topk:feedback=ewma,lambda=-1", "topk:colour=red", "threshold:tau=0", "threshold:tau=-1",
-    "dgc:ratio=0.5,start_ratio=0.25,warmup_steps=10", "dgc:feedback=residual", "dgc:momentum=1", "dgc:clip=-1",
-    "dgc:warmup_steps=-3", "sig:alpha=-1", "sig:eps=0", "sig:split=random", "sig:ratio=2",
+    "dgc:ratio=0.5,start_ratio=0.25,ramp_steps=10", "dgc:feedback=residual", "dgc:momentum=1", "dgc:clip=-1",
+    "dgc:ramp_steps=-3", "sig:alpha=-1", "sig:eps=0", "sig:split=random", "sig:ratio=2",
     "topk:ratio=0.01,feedback=ewma,momentum=0.9",
 ])
 def test_bad_arguments_raise_value_error(spec):

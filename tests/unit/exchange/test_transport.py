@@ -49,7 +49,7 @@ def test_group_transport_collectives():
         assert objs == grp
 
 
-@pytest.mark.parametrize("spec", ["none", "qsgd:bits=8", "topk:ratio=0.05,exchange=twophase", "efsignsgd"])
+@pytest.mark.parametrize("spec", ["none", "qsgd:bits=8", "topk:ratio=0.05,route=twophase", "efsignsgd"])
 def test_groups_over_alltoall_equal_sub_worlds(spec):
     """Node groups as masked alltoalls over the whole world (Horovod's default here) give the same bits
     as separate group worlds (process sets)."""

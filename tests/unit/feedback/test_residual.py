@@ -82,7 +82,7 @@ def test_adam_first_moment_taken_over_reproduces_adam(kind):
     p = torch.nn.Parameter(ref.detach().clone())
     start = ref.detach().clone()
     ref_opt, opt = ADAMS[kind]([ref]), ADAMS[kind]([p])
-    comp, msgs = _bound("randomk:ratio=1,variance=freeze,variance_warmup=0", opt)
+    comp, msgs = _bound("randomk:ratio=1,variance=freeze,warmup=0", opt)
     assert opt.param_groups[0]["betas"] == (0.0, 0.999)
     assert comp.feedback.momentum == 0.9 and comp.feedback.velocity == "exchanged"
     assert any("first moment" in m and "betas[0]=0.9" in m for m in msgs), msgs

@@ -42,3 +42,21 @@ def test_pack_bad_arguments():
         pack_bits(torch.tensor([0.5]), 2)
     with pytest.raises(ValueError):
         unpack_bits(torch.tensor([1], dtype=torch.uint8), 3, 5)  # too short
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_any_layout_of_the_stream_and_any_integer_codes(bits):
+    """unpack_bits reads a strided, offset or longer stream; pack_bits with check=False uses the low
+    ``bits`` bits of any integer dtype (as the CUDA kernel does)."""
+    g = torch.Generator().manual_seed(10 + bits)
+    for n in (0, 1, 5, 8, 13, 64, 333):
+        codes = torch.randint(0, 2 ** bits, (n,), generator=g, dtype=torch.int64).to(torch.uint8)
+        packed = pack_bits(codes, bits)
+        wide = torch.zeros(2 * packed.numel() + 3, dtype=torch.uint8)
+        wide[1::2][:packed.numel()] = packed
+        for stream in (wide[1::2], torch.cat([torch.ones(1, dtype=torch.uint8), packed, packed])[1:]):
+            assert torch.equal(unpack_bits(stream, bits, n), codes)
+        noise = torch.randint(-300, 300, (n,), generator=g) * (1 << bits)  # high bits only
+        for dtype in (torch.int64, torch.int32, torch.int16):
+            assert torch.equal(pack_bits((noise + codes).to(dtype), bits, check=False), packed)
+        assert torch.equal(pack_bits(codes | (0xFF ^ ((1 << bits) - 1)), bits, check=False), packed)

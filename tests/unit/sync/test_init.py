@@ -11,7 +11,8 @@ from hvd_ext.sync import sync_from_spec
 @pytest.mark.parametrize("spec,name,opts", [
     ("every", "every", {}),
     ("local:period=8", "local", {"period": 8}),
-    ("local:period=8,warmup=100", "local", {"period": 8, "warmup_steps": 100}),
+    ("local:period=8,warmup=100", "local", {"period": 8, "warmup": 100}),
+    ("local:period=8,warmup_steps=100", "local", {"period": 8, "warmup": 100}),  # the old key
     ("adaptive:min=1,max=32", "adaptive", {"min_period": 1, "max_period": 32}),
     ("event:sigma=0.01,tau_min=2,tau_max=9,staleness=inverse,gamma=0.5", "event",
      {"sigma": 0.01, "tau_min": 2, "tau_max": 9, "staleness": "inverse", "gamma": 0.5}),
@@ -47,7 +48,10 @@ def test_bad_constructor_arguments_raise_before_communication():
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     cases = [
         (hvd_ext.LocalSGD, dict(period=0), "'period'"),
-        (hvd_ext.LocalSGD, dict(warmup_steps=-1), "'warmup_steps'"),
+        (hvd_ext.LocalSGD, dict(warmup=-1), "'warmup'"),
+        (hvd_ext.LocalSGD, dict(warmup_steps=-1), "'warmup'"),  # the old name
+        (hvd_ext.LocalSGD, dict(warmup=3, warmup_steps=3), "given twice"),
+        (hvd_ext.AdaptiveSync, dict(warmup=2, warmup_steps=3), "given twice"),
         (hvd_ext.LocalSGD, dict(period="x"), "'period'"),
         (hvd_ext.LocalSGD, dict(bogus=1), "'bogus'"),
         (hvd_ext.AdaptiveSync, dict(min_period=4, max_period=2), "'min_period'"),

@@ -43,8 +43,8 @@ def test_flat_bucket_equals_per_tensor_payloads(size, spec, monkeypatch):
 
 
 @pytest.mark.parametrize("size", [3, 4])
-@pytest.mark.parametrize("spec", ["topk:ratio=0.02,exchange=twophase", "efsignsgd:exchange=twophase",
-                                  "sig:ratio=0.02,exchange=twophase", "randomk:ratio=0.05,exchange=twophase"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.02,route=twophase", "efsignsgd:route=twophase",
+                                  "sig:ratio=0.02,route=twophase", "randomk:ratio=0.05,route=twophase"])
 def test_conservation_with_owner_memory(size, spec):
     """Sum over steps of N x mean gradient = sum of applied results x N
     + every worker's residual + every owner's residual (nothing lost, nothing counted twice)."""
@@ -71,7 +71,7 @@ def test_conservation_with_owner_memory(size, spec):
 
 
 # ---- non-finite and checkpoints ------------------------------------------------------------------
-@pytest.mark.parametrize("spec", ["efsignsgd:exchange=twophase", "topk:ratio=0.05,exchange=twophase"])
+@pytest.mark.parametrize("spec", ["efsignsgd:route=twophase", "topk:ratio=0.05,route=twophase"])
 def test_nonfinite_on_one_rank_skips_everywhere_and_keeps_memories(spec):
     size = 3
     grads = make_grads(size, 3, seed=7)
@@ -93,7 +93,7 @@ def test_nonfinite_on_one_rank_skips_everywhere_and_keeps_memories(spec):
 
 
 def test_owner_memory_survives_a_checkpoint():
-    size, spec = 3, "efsignsgd:exchange=twophase"
+    size, spec = 3, "efsignsgd:route=twophase"
     grads = make_grads(size, 4, seed=11)
     full = run_pipeline(spec, grads, size)
     saved = {}

@@ -26,9 +26,12 @@ def test_route_choice():
     assert choose_route(c("qsgd:bits=8"), "auto", 10, 64) == "allgather"      # latency-bound tiny bucket
     with pytest.raises(ValueError, match="accepted: auto"):
         choose_route(c("fp16"), "twophase", 10, 4)
-    with pytest.raises(ValueError, match="exchange"):
+    with pytest.raises(ValueError, match="bad value 'ring' for 'exchange'"):  # named as the user spelled it
         c("qsgd:exchange=ring")
-    assert c("qsgd:bits=8,exchange=twophase").spec() == "qsgd:bits=8,exchange=twophase"
+    with pytest.raises(ValueError, match="bad value 'ring' for 'route'"):
+        c("qsgd:route=ring")
+    assert c("qsgd:bits=8,route=twophase").spec() == "qsgd:bits=8,route=twophase"
+    assert c("qsgd:bits=8,exchange=twophase").spec() == "qsgd:bits=8,route=twophase"  # the old key
 
 
 def test_route_choice_on_nodes():

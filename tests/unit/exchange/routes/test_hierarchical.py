@@ -52,10 +52,10 @@ def test_none_is_the_exact_mean(size, L):
     ("fp16", "node:allreduce", 1e-5),
     ("bf16", "node:allreduce", 1e-2),
     ("qsgd:bits=8", "node:allgather", 0.02),
-    ("qsgd:bits=8,exchange=twophase", "node:twophase", 0.02),
-    ("int8:exchange=twophase", "node:twophase", 1e-3),
+    ("qsgd:bits=8,route=twophase", "node:twophase", 0.02),
+    ("int8:route=twophase", "node:twophase", 1e-3),
     ("topk:ratio=0.05", "node:allgather", 0.9),
-    ("topk:ratio=0.05,exchange=twophase", "node:sparse_rs", 0.9),
+    ("topk:ratio=0.05,route=twophase", "node:sparse_rs", 0.9),
     ("efsignsgd", "node:allgather", 1.2),
 ])
 def test_node_aware_matches_flat_within_codec_error(size, L, spec, route, bound):
@@ -80,8 +80,8 @@ def test_inter_node_bytes_drop(size, L):
     share the flat one moves off-node, the dense bytes stay inside the node."""
     shapes = {"w": (128, 128)}
     grads = make_grads(size, 1, shapes=shapes)
-    node = run_pipeline("qsgd:bits=8,exchange=twophase", grads, size, ranks_per_node=L)[0]
-    flat = run_pipeline("qsgd:bits=8,exchange=twophase,hierarchy=flat", grads, size, ranks_per_node=L)[0]
+    node = run_pipeline("qsgd:bits=8,route=twophase", grads, size, ranks_per_node=L)[0]
+    flat = run_pipeline("qsgd:bits=8,route=twophase,hierarchy=flat", grads, size, ranks_per_node=L)[0]
     links = node.exchange.stats.wire_by_link
     flat_off_node = flat.wire[0] * (size - L) / (size - 1)
     assert links["inter"] < 1.3 * flat_off_node / L, (links, flat.wire)
@@ -90,8 +90,8 @@ def test_inter_node_bytes_drop(size, L):
 
 # ---- memory conservation --------------------------------------------------------------------------
 @pytest.mark.parametrize("size,L", LAYOUTS)
-@pytest.mark.parametrize("spec", ["topk:ratio=0.02", "topk:ratio=0.02,exchange=twophase",
-                                  "efsignsgd:exchange=twophase", "efsignsgd"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.02", "topk:ratio=0.02,route=twophase",
+                                  "efsignsgd:route=twophase", "efsignsgd"])
 def test_conservation_node_and_owner_memory(size, L, spec):
     """Sum over steps of every rank's gradient = N x applied results + worker residuals
     + node memories (shard holders) + owner memories of the inner exchange (nothing lost)."""
@@ -130,7 +130,7 @@ def test_conservation_node_and_owner_memory(size, L, spec):
 
 
 # ---- non-finite, checkpoints ---------------------------------------------------------------------------
-@pytest.mark.parametrize("spec", ["topk:ratio=0.05,exchange=twophase", "none", "qsgd:bits=8"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05,route=twophase", "none", "qsgd:bits=8"])
 def test_nonfinite_on_one_rank_skips_everywhere(spec):
     size, L = 4, 2
     grads = make_grads(size, 3, seed=7)

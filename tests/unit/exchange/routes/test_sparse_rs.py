@@ -24,7 +24,7 @@ def test_sparse_reduce_scatter_equals_global_topk_reference(size):
     """One step, no prior memory: the result equals, per owner range, the ceil(received/N)
     largest entries of the sum of every rank's top-k selection (gTop-k)."""
     grads = make_grads(size, 1, seed=10 + size)
-    spec = "topk:ratio=0.05,scope=layer,exchange=twophase,feedback=none"  # k per tensor, as below
+    spec = "topk:ratio=0.05,scope=layer,route=twophase,feedback=none"  # k per tensor, as below
     runs = run_pipeline(spec, grads, size)
     names = list(SHAPES)
     # reference, from all ranks' inputs: buckets are filled in reverse parameter order

@@ -23,7 +23,7 @@ def test_segments_cover_every_element_once():
                                         ("qdist:bits=3", 0.6), ("natural", 0.4), ("onebit", 1.2)])
 def test_twophase_matches_the_mean_within_codec_error(size, spec, bound):
     grads = make_grads(size, 2, seed=size)
-    runs = run_pipeline(spec + (",exchange=twophase" if ":" in spec else ":exchange=twophase"), grads, size)
+    runs = run_pipeline(spec + (",route=twophase" if ":" in spec else ":route=twophase"), grads, size)
     ref = mean_of(grads, 0, size)
     first = runs[0].results[0]
     for run in runs:
@@ -35,8 +35,8 @@ def test_twophase_matches_the_mean_within_codec_error(size, spec, bound):
 
 def test_twophase_int8_equals_allgather_up_to_rounding():
     grads = make_grads(3, 1, seed=5)
-    tp = run_pipeline("int8:exchange=twophase", grads, 3)[0].results[0]
-    ag = run_pipeline("int8:exchange=allgather", grads, 3)[0].results[0]
+    tp = run_pipeline("int8:route=twophase", grads, 3)[0].results[0]
+    ag = run_pipeline("int8:route=allgather", grads, 3)[0].results[0]
     for k in tp:
         assert torch.allclose(tp[k], ag[k], atol=0.05)
 
@@ -50,7 +50,7 @@ def test_received_bytes_stay_flat_in_n():
     for spec in ("qsgd:bits=8", "topk:ratio=0.01"):
         for ex in ("allgather", "twophase"):
             for size in (2, 4, 8):
-                run = run_pipeline(f"{spec},exchange={ex}", make_grads(size, 1, shapes=shapes), size)[0]
+                run = run_pipeline(f"{spec},route={ex}", make_grads(size, 1, shapes=shapes), size)[0]
                 got[spec, ex, size] = run.received[0]
     n = 256 * 256
     for spec in ("qsgd:bits=8", "topk:ratio=0.01"):
