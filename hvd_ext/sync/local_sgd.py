@@ -6,6 +6,14 @@ parameters are averaged over all ranks; with ``warmup=T`` the first T steps
 are fully synchronous (post-local SGD), then the period is H (``warmup_steps=`` is the
 old name of ``warmup=``).
 
+The optimizer's momentum buffers are averaged with the parameters (``sync_momentum``, default
+on), as in parallel restarted SGD with momentum (Yu, Jin, Yang, "On the Linear Speedup Analysis
+of Communication Efficient Momentum SGD for Distributed Non-Convex Optimization", ICML 2019):
+each rank's buffer otherwise keeps pushing along its own last H steps right after the average,
+and at a high learning rate that makes the run fragile -- which seed or which 1e-4 change of the
+starting point lands well. ``sync_momentum=0`` halves the bytes of a sync and keeps buffers local
+(Lin et al.); ``benchmarks/convergence.py --workload mnist1d-slow`` compares both.
+
 Usage (the strategy wraps the optimizer's ``step``)::
 
     opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters())
@@ -48,7 +56,7 @@ LOCAL_OPTIONS = {
     "period": Option(int, 8, help="local steps between parameter averages (H)", **_INT1),
     "warmup": Option(int, 0, help="fully synchronous steps first (post-local SGD)", **_INT0),
     "sync_buffers": Option(bool, True, help="also average floating-point model buffers (BatchNorm stats)"),
-    "sync_momentum": Option(bool, False, help="also average the optimizer's momentum/moment buffers"),
+    "sync_momentum": Option(bool, True, help="also average the optimizer's momentum/moment buffers"),
 }
 
 
@@ -114,7 +122,7 @@ class LocalSGD(_NoSharedState):
     declared = LOCAL_OPTIONS
 
     def __init__(self, optimizer, model, period: int = 8, warmup: int = 0, sync_buffers: bool = True,
-                 sync_momentum: bool = False, warmup_steps: Optional[int] = None, **extra):
+                 sync_momentum: bool = True, warmup_steps: Optional[int] = None, **extra):
         given = dict(period=period, warmup=resolve_warmup(type(self).__name__, warmup, warmup_steps),
                      sync_buffers=sync_buffers, sync_momentum=sync_momentum, **extra)
         self._setup(optimizer, model, given)
