@@ -57,6 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     p.add_argument("--out", default=str(common.RESULTS / "auto_trust"))
     p.add_argument("--summarize", action="store_true")
+    common.add_load_option(p)
     return p.parse_args(argv)
 
 
@@ -204,6 +205,7 @@ def markdown(summary: Dict, machine: Dict) -> str:
 
 def main(argv=None):
     a = parse_args(argv)
+    common.refuse_if_loaded(a)
     out = Path(a.out)
     logs = out.parent / (out.name + "_logs")
     runs_file = out.with_suffix(".json")

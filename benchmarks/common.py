@@ -57,6 +57,31 @@ def machine_info() -> Dict:
     return info
 
 
+def add_load_option(parser) -> None:
+    """``--allow-load``: write results even when the machine is busy (see ``refuse_if_loaded``)."""
+    parser.add_argument("--allow-load", action="store_true",
+                        help="run and write results even when the 1-minute load average is above the core count")
+
+
+def refuse_if_loaded(args) -> None:
+    """Timings on a busy machine measure contention, not the method: stop before running when the
+    1-minute load average is above the core count, unless ``--allow-load`` (the load is recorded with
+    every result either way, ``machine_info()['loadavg_start']``)."""
+    load, cores = loadavg(), os.cpu_count() or 1
+    if getattr(args, "allow_load", False):
+        return
+    waited = 0
+    while load is not None and load[0] > cores and waited < 180:  # a run just before us: its load decays
+        if waited == 0:
+            print(f"load average {load[0]:.2f} above {cores} cores: waiting up to 180 s for it to fall", flush=True)
+        time.sleep(10)
+        waited += 10
+        load = loadavg()
+    if load is not None and load[0] > cores:
+        raise SystemExit(f"load average {load[0]:.2f} is above the {cores} cores: timings would measure "
+                         "contention. Wait for a quiet machine, or pass --allow-load to run anyway.")
+
+
 def loadavg() -> Optional[List[float]]:
     try:
         return [float(x) for x in open("/proc/loadavg").read().split()[:3]]

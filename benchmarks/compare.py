@@ -129,6 +129,7 @@ def parse_args(argv=None):
                    help="multi-node testbed: this many nodes (network namespaces), --rate shapes the inter-node links")
     p.add_argument("--ranks-per-node", type=int, default=2, help="with --nodes: ranks per node")
     p.add_argument("--intra", default=None, help="with --nodes: also shape each node's loopback to this rate")
+    common.add_load_option(p)
     a = p.parse_args(argv)
     if a.nodes:
         if a.nodes < 1 or a.ranks_per_node < 1:
@@ -645,6 +646,7 @@ def plots(doc, out: Path):
 
 def main(argv=None):
     a = parse_args(argv)
+    common.refuse_if_loaded(a)
     t0 = time.perf_counter()
     doc = run(a)
     if doc is not None:

@@ -99,7 +99,9 @@ def main(argv=None):
                    help="use a recipe's result JSON left in the logs folder by an earlier run instead of rerunning it")
     p.add_argument("--summary", action="store_true",
                    help="only rewrite benchmarks/results/convergence_workloads.{json,md} from the workload JSONs")
+    common.add_load_option(p)
     a = p.parse_args(argv)
+    common.refuse_if_loaded(a)
     if a.summary:
         sys.path.insert(0, str(ROOT))
         write_summary()

@@ -212,6 +212,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="2 ranks, 1gbit + unshaped, 4 methods, min-time 2 s")
     p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/synthetic[_quick])")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    common.add_load_option(p)
     a = p.parse_args(argv)
     if a.quick:
         a.methods = a.methods or QUICK_METHODS
@@ -382,6 +383,7 @@ def main(argv=None):
     if "--worker" in (argv if argv is not None else sys.argv[1:]):
         return _worker(json.loads(os.environ["SYNTH_CONFIG"]))
     a = parse_args(argv)
+    common.refuse_if_loaded(a)
     t0 = time.perf_counter()
     run(a)
     print(f"synthetic: done in {time.perf_counter() - t0:.0f} s")

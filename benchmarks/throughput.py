@@ -87,7 +87,9 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "throughput"))
     p.add_argument("--baseline", default=None, help="JSON of earlier figures (default: <out>_baseline.json)")
+    common.add_load_option(p)
     a = p.parse_args(argv)
+    common.refuse_if_loaded(a)
     out = Path(a.out)
     base_path = Path(a.baseline) if a.baseline else out.parent / (out.name + "_baseline.json")
     if not base_path.exists() and out.with_suffix(".json").exists() and not a.baseline:

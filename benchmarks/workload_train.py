@@ -18,9 +18,16 @@ clock stops meanwhile) and records the metric and its cumulative training second
 * ``event`` (asynchronous): the parameter server's current z, read one-sided
   (no collective, the other ranks keep computing).
 
-Each rank runs the same number of steps; after ``sync.finish()`` all ranks hold
-the same model, which is evaluated once more (the final point, at the time the
-last rank finished). ``--json OUT`` writes the summary (rank 0).
+The budget is the same total number of samples for every method: epochs x steps
+per epoch x ranks batches. Synchronous methods and local/adaptive SGD reach it with
+every rank taking the same number of steps (a fast rank waits at each exchange). The
+asynchronous ``event`` strategy reaches it with each rank stepping until the ranks'
+steps together (``EventTriggeredSGD.global_steps()``, read one-sided from the board)
+reach the budget: a fast rank takes more steps instead of waiting, and the one-cycle
+schedule follows that global progress, so all ranks sit at the same point of it at
+the same time. After ``sync.finish()`` all ranks hold the same model, which is
+evaluated once more (the final point, at the time the last rank finished). ``--json
+OUT`` writes the summary (rank 0).
 """
 from __future__ import annotations
 
@@ -59,6 +66,29 @@ def parse_args(argv=None):
     if a.plain_horovod and (a.compression not in ("none", "fp16") or a.sync != "every"):
         p.error("--plain-horovod: --compression none|fp16 and --sync every only")
     return a
+
+
+def schedule_table(max_lr: float, cycle: bool, points: int = 1000):
+    """(lr, momentum) of the one-cycle schedule at ``points`` evenly spaced fractions of training."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    o = torch.optim.SGD([p], lr=max_lr, momentum=0.9)
+    s = torch.optim.lr_scheduler.OneCycleLR(o, max_lr=max_lr, total_steps=points, cycle_momentum=cycle)
+    out = []
+    for _ in range(points):
+        out.append((o.param_groups[0]["lr"], o.param_groups[0]["momentum"]))
+        o.step()
+        if len(out) < points:
+            s.step()
+    return out
+
+
+def set_schedule(opt, table, frac: float) -> None:
+    """Put the optimizer at fraction ``frac`` of the one-cycle schedule (momentum only where it cycles)."""
+    lr, mom = table[min(int(frac * len(table)), len(table) - 1)]
+    for g in opt.param_groups:
+        g["lr"] = lr
+        if "momentum" in g and g.get("momentum", 0) > 0:
+            g["momentum"] = mom
 
 
 def main(argv=None):
@@ -115,6 +145,8 @@ def main(argv=None):
     sync = sync_factory(opt, model)
     is_async = sync_factory.name == "event"
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=w.lr, total_steps=total_steps, cycle_momentum=cycle)
+    budget = size * total_steps  # batches, all ranks together: the same for every method
+    table = schedule_table(w.lr, cycle) if is_async else None
     has_bn = any(b.is_floating_point() for b in model.buffers())
     flat = FlatState(model, opt, buffers=False, momentum=False)
     slow = rank == w.slow_rank and w.slow_factor > 1.0
@@ -131,13 +163,20 @@ def main(argv=None):
     history, spreads = [], []
     gen = torch.Generator().manual_seed(a.seed)
     train_time, loss_val = 0.0, float("nan")
-    for epoch in range(w.epochs):
+    epoch, local_steps, done = 0, 0, False
+    while not done:
         if shards is None:
             perm = torch.randperm(len(x_train), generator=gen)
         else:
             mine_idx = shards[rank][torch.randperm(len(shards[rank]), generator=gen)]
         t_epoch = time.perf_counter()
         for i in range(steps_per_epoch):
+            if is_async:  # stop at the global budget; the schedule at the global progress
+                g = sync.global_steps()
+                if g >= budget:
+                    done = True
+                    break
+                set_schedule(opt, table, g / budget)
             if shards is None:
                 idx = perm[(i * size + rank) * w.batch:(i * size + rank + 1) * w.batch]
             else:
@@ -149,14 +188,19 @@ def main(argv=None):
             if slow:
                 time.sleep((w.slow_factor - 1.0) * (time.perf_counter() - t_c))
             sync.step(loss)
-            sched.step()
+            if not is_async:
+                sched.step()
+            local_steps += 1
             loss_val = loss.item()
         train_time += time.perf_counter() - t_epoch
+        epoch += 1
+        done = done or (not is_async and epoch >= w.epochs)
         if has_bn and not is_async:  # collective, every rank at the same step
             spreads.append(buffer_spread(model))
             average_buffers(model)
-        v = evaluate() if rank == 0 else float("nan")
-        history.append({"epoch": epoch + 1, "metric": v, "train_time_s": train_time, "loss": loss_val})
+        if not (is_async and done):  # an async rank that stopped mid-epoch: the final point follows
+            v = evaluate() if rank == 0 else float("nan")
+            history.append({"epoch": epoch, "metric": v, "train_time_s": train_time, "loss": loss_val})
     t_fin = time.perf_counter()
     sync.finish()
     if has_bn and not is_async:
@@ -164,13 +208,14 @@ def main(argv=None):
     train_time += time.perf_counter() - t_fin
     # the last rank's finishing time is the job's time
     train_time = max(float(t) for t in hvd.allgather_object(train_time, name="wl.time"))
+    steps_per_rank = [int(n) for n in hvd.allgather_object(local_steps, name="wl.steps")]
     final_buf_spread = buffer_spread(model) if has_bn else 0.0
     pvec = flat.params_vector()
     pmean = pvec.clone()
     hvd.allreduce_(pmean, op=hvd.Average, name="wl.pmean")
     param_spread = max(hvd.allgather_object(float((pvec - pmean).abs().max()), name="wl.pspread"))
     final = w.evaluate(model, x_test, y_test) if rank == 0 else float("nan")
-    history.append({"epoch": w.epochs, "metric": final, "train_time_s": train_time, "loss": loss_val,
+    history.append({"epoch": epoch, "metric": final, "train_time_s": train_time, "loss": loss_val,
                     "final": True})
 
     s = opt.stats.summary()
@@ -186,7 +231,7 @@ def main(argv=None):
         "method": ("horovod" if a.plain_horovod else compressor.spec()) + ("" if a.sync == "every" else
                                                                           f"@{sync_factory.spec()}"),
         "compression": a.compression, "sync": sync.describe(), "ranks": size, "epochs": w.epochs,
-        "steps": total_steps, "batch": w.batch, "lr": w.lr, "optimizer": w.optimizer, "skew": w.skew,
+        "steps": total_steps, "budget_batches": budget, "steps_per_rank": steps_per_rank, "batch": w.batch, "lr": w.lr, "optimizer": w.optimizer, "skew": w.skew,
         "shard_label_histograms": hist_labels, "slow_rank": w.slow_rank if w.slow_factor > 1 else None,
         "slow_factor": w.slow_factor, "final_metric": final, "train_time_s": train_time,
         "bytes_sent_per_step": mean["bytes_sent_per_step"], "bytes_ratio_vs_dense": mean["bytes_sent_per_step"] / dense,

@@ -35,6 +35,13 @@ by one Horovod allreduce, so the buffers end identical too. ``stats.extra`` has
 ``trigger_reasons`` (threshold / tau_max / final counts), ``weights`` and ``delays`` (one entry per exchange),
 and ``local_steps``; ``stats.exchanges`` counts exchanges per rank.
 
+A fast worker should not wait for a slow one: give the run a budget of samples over all workers
+and stop when ``global_steps()`` (the workers' steps together, read one-sided from the board)
+reaches it, and index the learning-rate schedule by that global progress. Each worker stepping
+through its own step-indexed schedule leaves the fast one at a near-zero rate while the slow one
+still pushes large steps; on label-skewed shards that pulls z toward the slow worker's classes
+(``benchmarks/workload_train.py`` does it the global way).
+
 Needs the MPI controller (``horovodrun --mpi`` or ``mpirun``); under Gloo the
 constructor raises RuntimeError before touching MPI. Around an
 ``hvd_ext.DistributedOptimizer`` the gradient exchange is switched off for the
@@ -239,6 +246,16 @@ class EventTriggeredSGD:
     @property
     def exchanges(self) -> int:
         return self.k
+
+    def global_steps(self) -> int:
+        """Local steps of all workers together, as of each worker's last push (one-sided read of the
+        board, no collective). A training loop that gives every method the same total number of
+        samples stops when this reaches its budget, and follows it with its learning-rate schedule:
+        a fast worker then takes more steps instead of waiting, and both workers sit at the same
+        point of the schedule at the same time."""
+        board = self.server.read_board()
+        mine = self.steps - int(board[self.rank, 1])  # this worker's steps since its last push
+        return int(board[:, 1].sum()) + max(mine, 0)
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

@@ -59,6 +59,8 @@ def test_slow_rank_async_no_deadlock_fast_rank_more_steps(async_checks):
     fast, slow = (r["slow"] for r in async_checks)
     assert fast["steps"] > 1.5 * slow["steps"], (fast["steps"], slow["steps"])
     assert fast["exchanges"] > slow["exchanges"]
+    # after finish every push is on the board: global_steps() is both ranks' steps, on either rank
+    assert fast["global_steps"] == slow["global_steps"] == fast["steps"] + slow["steps"]
 
 
 def _run_train(args, timeout):

@@ -89,7 +89,7 @@ def run(steps=None, seconds=None, slow=1.0, **kw):
             at.append(t + 1)
         t += 1
     s.finish()
-    res = {"at": at, "reasons": dict(s.reasons), "weights": list(s.weights), "delays": list(s.delays),
+    res = {"global_steps": s.global_steps(), "at": at, "reasons": dict(s.reasons), "weights": list(s.weights), "delays": list(s.delays),
            "steps": s.steps, "exchanges": s.exchanges, "stats_exchanges": o.stats.exchanges,
            "spread": spread(m, f"ev.spread.{kw['tau_max']}.{seconds}")}
     s.close()
@@ -122,6 +122,8 @@ def check(c, out):
         c.expect(f"trigger: {case}: one weight and delay per exchange, weights in (0, 1], delays >= 1",
                  len(x["weights"]) == len(x["delays"]) == x["exchanges"]
                  and all(0 < w <= 1 for w in x["weights"]) and all(d >= 1 for d in x["delays"]), x)
+    c.expect("trigger: global_steps() after finish counts every rank's steps (20 each)",
+             out["tau_max_only"]["global_steps"] == 20 * out["size"], out["tau_max_only"]["global_steps"])
     s = out["slow"]
     c.expect("slow: finished, identical after the final average", s["spread"] == 0.0, s["spread"])
     if out["rank"] == 1:  # the slow rank sees the fast rank's pushes in between
@@ -147,7 +149,7 @@ def main():
     slow = run(seconds=4.0, slow=3.0 if rank == 1 else 1.0, sigma=1e-4, tau_min=2, tau_max=8,
                staleness="loss", gamma=1.0)
     # keep the RESULT line short (launchers split long lines)
-    out["slow"] = {k: slow[k] for k in ("reasons", "steps", "exchanges", "stats_exchanges", "spread")}
+    out["slow"] = {k: slow[k] for k in ("reasons", "steps", "exchanges", "stats_exchanges", "spread", "global_steps")}
     out["slow"].update(max_delay=max(slow["delays"]), min_weight=min(slow["weights"]), n_weights=len(slow["weights"]))
     checks = Checks(rank)
     check(checks, out)
