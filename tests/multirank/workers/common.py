@@ -65,6 +65,29 @@ class _Section:
         return self.checks.expect(f"{self.prefix}: {what}", cond, detail)
 
 
+def report(rank, res, check):
+    """The end of a worker: ``check(checks, res)`` records the named checks of this rank, then one
+    RESULT line carries them with ``res``."""
+    checks = Checks(rank)
+    check(checks, res)
+    checks.emit(**res)
+
+
+def init_horovod(hvd, mpi_world=False, **init_kw):
+    """``hvd.init(**init_kw)`` (on the MPI world mpi4py shares, for the parameter server, if
+    ``mpi_world``) with one torch thread; returns (rank, size)."""
+    import torch
+
+    if mpi_world:
+        from mpi4py import MPI
+
+        hvd.init(comm=MPI.COMM_WORLD, **init_kw)
+    else:
+        hvd.init(**init_kw)
+    torch.set_num_threads(1)
+    return hvd.rank(), hvd.size()
+
+
 def exchanged_steps(m, opt, make_model, rank, steps):
     """Train ``m`` (inputs 16 x 20, 5 classes) for ``steps`` steps through ``opt``. Returns per step
     the raw local gradients (recomputed on a copy of the model before the exchange overwrites

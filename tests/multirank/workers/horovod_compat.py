@@ -11,7 +11,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import Checks  # noqa: E402
+from common import report, init_horovod  # noqa: E402
 
 RANK, SIZE = None, None  # set by main() after hvd.init()
 DistributedOptimizer = hvd_ext.DistributedOptimizer  # the one-line change
@@ -189,9 +189,7 @@ def check(c, res):
 
 def main():
     global RANK, SIZE
-    hvd.init()
-    torch.set_num_threads(1)
-    RANK, SIZE = hvd.rank(), hvd.size()
+    RANK, SIZE = init_horovod(hvd)
     res = {"size": SIZE, "mpi": hvd.mpi_enabled()}
     typical(res)
     x, y = data(10)
@@ -201,9 +199,7 @@ def main():
     user_errors(res, x, y)
     every_optimizer(res)
     frozen_param(res)
-    checks = Checks(RANK)
-    check(checks, res)
-    checks.emit(**res)
+    report(RANK, res, check)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import Checks  # noqa: E402
+from common import report, init_horovod  # noqa: E402
 
 RANK, SIZE = None, None  # set by main() after hvd.init()
 
@@ -124,17 +124,13 @@ def check(c, res):
 
 def main():
     global RANK, SIZE
-    hvd.init()
-    torch.set_num_threads(1)
-    RANK, SIZE = hvd.rank(), hvd.size()
+    RANK, SIZE = init_horovod(hvd)
     res = {"rank": RANK}
     for spec in ("none", "topk:ratio=0.5"):
         res[f"requires_grad|{spec}"] = requires_grad_switch(spec)
     res["bpps"] = backward_passes()
     res["one_rank_module"] = one_rank_module()
-    checks = Checks(RANK)
-    check(checks, res)
-    checks.emit(**res)
+    report(RANK, res, check)
     hvd.barrier()
 
 

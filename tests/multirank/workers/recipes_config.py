@@ -11,7 +11,7 @@ import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import Checks  # noqa: E402
+from common import report, init_horovod  # noqa: E402
 
 RANK = None  # set by main() after hvd.init()
 
@@ -96,16 +96,12 @@ def check(c, res):
 
 def main():
     global RANK
-    hvd.init()
-    torch.set_num_threads(1)
-    RANK = hvd.rank()
+    RANK, _ = init_horovod(hvd)
     res = {"rank": RANK}
     for name, build in cases().items():
         res[name] = attempt(build)
     collectives_per_step(res)
-    checks = Checks(RANK)
-    check(checks, res)
-    checks.emit(**res)
+    report(RANK, res, check)
 
 
 if __name__ == "__main__":

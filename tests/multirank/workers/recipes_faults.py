@@ -13,6 +13,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
+from common import init_horovod  # noqa: E402
 
 
 def die(*_):
@@ -22,14 +23,7 @@ def die(*_):
 
 def main():
     mode = sys.argv[1]
-    if mode == "event":
-        from mpi4py import MPI
-
-        hvd.init(comm=MPI.COMM_WORLD)
-    else:
-        hvd.init()
-    torch.set_num_threads(1)
-    rank = hvd.rank()
+    rank, _ = init_horovod(hvd, mpi_world=mode == "event")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),

@@ -11,7 +11,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import Checks  # noqa: E402
+from common import report, init_horovod  # noqa: E402
 
 RANK, SIZE = None, None  # set by main() after hvd.init()
 
@@ -117,14 +117,7 @@ def check(checks, res):
 def main():
     global RANK, SIZE
     mode = sys.argv[1]
-    if mode == "event":
-        from mpi4py import MPI
-
-        hvd.init(comm=MPI.COMM_WORLD)
-    else:
-        hvd.init()
-    torch.set_num_threads(1)
-    RANK, SIZE = hvd.rank(), hvd.size()
+    RANK, SIZE = init_horovod(hvd, mpi_world=mode == "event")
     res = {"rank": RANK}
     if mode == "avg":
         for spec in ["local:period=2", "adaptive:min=2,max=4"]:
@@ -132,9 +125,7 @@ def main():
                 res[f"{spec}|{wrap}"] = avg_case(spec, wrap)
     else:
         res["event"] = event_case()
-    checks = Checks(RANK)
-    check(checks, res)
-    checks.emit(**res)
+    report(RANK, res, check)
     hvd.barrier()
 
 

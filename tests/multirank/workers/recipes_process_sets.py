@@ -12,7 +12,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import Checks  # noqa: E402
+from common import report, init_horovod  # noqa: E402
 
 RANK, SIZE, even, odd = None, None, None, None  # set by main() at hvd.init()
 
@@ -81,17 +81,13 @@ def check(checks, res):
 def main():
     global RANK, SIZE, even, odd
     even, odd = hvd.ProcessSet([0, 2]), hvd.ProcessSet([1, 3])
-    hvd.init(process_sets=[even, odd])
-    torch.set_num_threads(1)
-    RANK, SIZE = hvd.rank(), hvd.size()
+    RANK, SIZE = init_horovod(hvd, process_sets=[even, odd])
     res = {"size": SIZE,
            "even_none": run(even, "none"),
            "even_topk": run(even, "topk:ratio=0.3"),
            "odd_qsgd": run(odd, "qsgd:bits=8"),
            "odd_local": run(odd, "none", "local:period=2")}
-    checks = Checks(RANK)
-    check(checks, res)
-    checks.emit(**res)
+    report(RANK, res, check)
     hvd.barrier()
 
 

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import Checks  # noqa: E402
+from common import report, init_horovod  # noqa: E402
 
 RANK, SIZE, only0 = None, None, None  # set by main() at hvd.init()
 
@@ -170,16 +170,12 @@ def check(checks, r):
 def main():
     global RANK, SIZE, only0
     only0 = hvd.ProcessSet([0])
-    hvd.init(process_sets=[only0])
-    torch.set_num_threads(1)
-    RANK, SIZE = hvd.rank(), hvd.size()
+    RANK, SIZE = init_horovod(hvd, process_sets=[only0])
     res = {"size": SIZE, "optimizers": every_optimizer(),
            "compressors": {spec: resume_case(torch.optim.SGD, spec) for spec in SPECS},
            "sync": {sspec: sync_case(sspec) for sspec in ["every", "local:period=2", "adaptive:min=1,max=4"]},
            "outside_set": outside_set()}
-    checks = Checks(RANK)
-    check(checks, res)
-    checks.emit(**res)
+    report(RANK, res, check)
     hvd.barrier()  # nobody shuts Horovod down while a process set collective still runs
 
 

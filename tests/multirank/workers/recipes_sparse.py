@@ -11,7 +11,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import Checks  # noqa: E402
+from common import report, init_horovod  # noqa: E402
 
 RANK = None  # set by main() after hvd.init()
 VOCAB, DIM = 1000, 16
@@ -110,9 +110,7 @@ def check(c, r):
 
 def main():
     global RANK
-    hvd.init()
-    torch.set_num_threads(1)
-    RANK = hvd.rank()
+    RANK, _ = init_horovod(hvd)
     res = {"rank": RANK}
     res["sgd"] = run("sgd", lambda m: [hvd_ext.DistributedOptimizer(
         torch.optim.SGD(m.parameters(), lr=0.5), named_parameters=m.named_parameters())], check_grad=True)
@@ -129,9 +127,7 @@ def main():
         check_grad=True)
     res["horovod_sparse_embeddings"] = horovod_sparse_embeddings()
     res["dense_bytes"] = VOCAB * DIM * 4
-    checks = Checks(RANK)
-    check(checks, res)
-    checks.emit(**res)
+    report(RANK, res, check)
     hvd.barrier()
 
 
