@@ -98,6 +98,11 @@ class VarianceFreeze:
             raise ValueError(f"variance must be one of {', '.join(VARIANCE_CHOICES)}, got {mode!r}")
         warmup = compressor.warmup_length(frozen_moment=True)
         kind = adaptive_kind(optimizer)
+        if mode == "auto" and kind is not None and not needs_freeze(compressor):
+            advice = compressor.live_moment_advice()
+            if advice:
+                warnings.warn(f"hvd_ext: {kind} with compression '{compressor.spec()}': its noise inflates "
+                              f"{kind}'s live second moment and costs accuracy; {advice}", stacklevel=3)
         if mode == "live" or kind is None or (mode == "auto" and not needs_freeze(compressor)):
             return None
         if _rule(optimizer) is None:

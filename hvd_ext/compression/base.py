@@ -159,6 +159,12 @@ class Compressor:
         frozen from the first, largest gradients keeps the bursts of error feedback in check."""
         return 0
 
+    def live_moment_advice(self) -> Optional[str]:
+        """What to set when this codec runs under an adaptive optimizer whose second moment stays live
+        (``variance=auto`` and no error-feedback memory), if its noise is known to cost accuracy there;
+        ``hvd_ext.variance_freeze`` warns with it at construction. Default: None (nothing to say)."""
+        return None
+
     def warmup_length(self, frozen_moment: bool = False) -> int:
         """The dense warm-up this codec runs: ``warmup=`` if given, else ``default_warmup``."""
         return int(self.warmup) if self.warmup is not None else int(self.default_warmup(frozen_moment))

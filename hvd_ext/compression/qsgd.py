@@ -94,6 +94,13 @@ class QSGDCompressor(Compressor):
         else:
             self.s, self.b = 2 ** (self.bits - 1) - 1, self.bits
 
+    def live_moment_advice(self):
+        # Below 8 bits the quantization variance inflates a live second moment (benchmarks/defaults_check.py
+        # under Adam); freezing it, or 8 bits, keeps accuracy.
+        if self.b >= 8:
+            return None
+        return "put variance=freeze in the spec (the second moment frozen, 1-bit Adam) or use bits=8"
+
     def __init__(self, **kw):
         self._given = set(kw)
         self._given_bits = kw.get("bits")

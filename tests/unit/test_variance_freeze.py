@@ -176,3 +176,19 @@ def test_warmup_from_spec_and_bad_values():
         hvd_ext.compression_from_spec("topk:variance=sometimes")
     with pytest.raises(ValueError, match="'warmup'"):
         hvd_ext.compression_from_spec("topk:warmup=-1")
+
+
+@pytest.mark.parametrize("opt_kind,spec,advised", [
+    ("adam", "qsgd", True),                   # 4 bits, live moment: says what to set
+    ("adam", "qsgd:bits=8", False),
+    ("adam", "qsgd:variance=live", False),    # the user chose the live moment
+    ("adam", "qsgd:variance=freeze", False),  # frozen: nothing to advise
+    ("sgd", "qsgd", False),                   # not adaptive
+    ("adam", "topk", False),                  # frozen by default (memory)
+])
+def test_a_codec_that_needs_a_frozen_moment_says_so_at_construction(opt_kind, spec, advised):
+    vf, msgs = _decision(opt_kind, spec)
+    said = [m for m in msgs if "live second moment" in m]
+    assert bool(said) == advised, msgs
+    if advised:
+        assert vf is None and "variance=freeze" in said[0] and "bits=8" in said[0]
