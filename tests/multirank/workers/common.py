@@ -88,6 +88,29 @@ def init_horovod(hvd, mpi_world=False, **init_kw):
     return hvd.rank(), hvd.size()
 
 
+def small_model():
+    """The 6-8-3 MLP of the recipe workers, the same initial weights on every rank."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def small_batch(rank, i):
+    """Batch ``i`` of rank ``rank`` for :func:`small_model`: 5 samples, 3 classes, its own per rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * rank + i)
+    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+def flat_params(model):
+    """The model's parameters as one flat tensor (detached)."""
+    import torch
+
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 def exchanged_steps(m, opt, make_model, rank, steps):
     """Train ``m`` (inputs 16 x 20, 5 classes) for ``steps`` steps through ``opt``. Returns per step
     the raw local gradients (recomputed on a copy of the model before the exchange overwrites

@@ -12,27 +12,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import report, init_horovod  # noqa: E402
+from common import report, init_horovod, flat_params, small_batch, small_model  # noqa: E402
 
 RANK, SIZE, even, odd = None, None, None, None  # set by main() at hvd.init()
 
 
-def model_fn():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-
-
-def data(i):
-    g = torch.Generator().manual_seed(1000 * RANK + i)
-    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
-
-
-def flat(m):
-    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
-
 
 def run(pset, spec, sync_spec=None, steps=4):
-    model, ref = model_fn(), model_fn()
+    model, ref = small_model(), small_model()
     opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=model.named_parameters(), compression=spec, process_set=pset)
     # what a local-only rank must do: plain local steps of the optimizer as wrapped (a compressor's
@@ -42,7 +29,7 @@ def run(pset, spec, sync_spec=None, steps=4):
     sync = hvd_ext.sync_from_spec(sync_spec)(opt, model) if sync_spec else None
     hvd.broadcast_optimizer_state(opt, root_rank=0)  # the recipe, on every rank
     for i in range(steps):
-        x, y = data(i)
+        x, y = small_batch(RANK, i)
         for m, o in ((model, opt), (ref, ref_opt)):
             o.zero_grad()
             loss = F.cross_entropy(m(x), y)
@@ -53,11 +40,11 @@ def run(pset, spec, sync_spec=None, steps=4):
                 o.step()
     if sync is not None:
         sync.finish()
-    allp = hvd.allgather(flat(model).unsqueeze(0), name=f"ps.{spec}.{sync_spec}")
+    allp = hvd.allgather(flat_params(model).unsqueeze(0), name=f"ps.{spec}.{sync_spec}")
     members = [r for r in range(SIZE) if (r % 2 == 0) == (pset is even)]
     return {"included": pset.included(), "collectives": opt.exchange.stats.collectives,
             "members_spread": float((allp[members] - allp[members[0]]).abs().max()),
-            "local_err": float((flat(model) - flat(ref)).abs().max()),
+            "local_err": float((flat_params(model) - flat_params(ref)).abs().max()),
             "differs_from_member": float((allp[RANK] - allp[members[0]]).abs().max())}
 
 

@@ -14,33 +14,20 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hvd_ext  # noqa: E402
-from common import report, init_horovod  # noqa: E402
+from common import report, init_horovod, flat_params, small_batch, small_model  # noqa: E402
 
 RANK, SIZE, only0 = None, None, None  # set by main() at hvd.init()
 
 
-def model_fn():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-
-
-def data(i):
-    g = torch.Generator().manual_seed(1000 * RANK + i)
-    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
-
-
-def flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
 
 def spread(model):
-    allp = hvd.allgather(flat(model).unsqueeze(0), name="recipes.spread")
+    allp = hvd.allgather(flat_params(model).unsqueeze(0), name="recipes.spread")
     return float((allp - allp[0:1]).abs().max())
 
 
 def train(model, opt, first, n, sync=None):
     for i in range(first, first + n):
-        x, y = data(i)
+        x, y = small_batch(RANK, i)
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -56,14 +43,14 @@ def kwargs_for(cls):
 
 def resume_case(cls, spec, steps=3):
     """Train, checkpoint (rank 0's state only), rebuild everything, load on rank 0 only, recipe, train."""
-    model = model_fn()
+    model = small_model()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd_ext.DistributedOptimizer(cls(model.parameters(), **kwargs_for(cls)),
                                        named_parameters=model.named_parameters(), compression=spec)
     train(model, opt, 0, steps)
     ckpt = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": opt.state_dict()}
     # a new process: fresh model and optimizer everywhere, state on rank 0 only
-    model = model_fn()
+    model = small_model()
     opt = hvd_ext.DistributedOptimizer(cls(model.parameters(), **kwargs_for(cls)),
                                        named_parameters=model.named_parameters(), compression=spec)
     if RANK == 0:
@@ -78,7 +65,7 @@ def resume_case(cls, spec, steps=3):
     comp_sig = float(sum(float(v.double().abs().sum()) for d in comp.values() if isinstance(d, dict)
                          for v in d.values() if torch.is_tensor(v)))
     steps_seen = hvd.allgather_object((int(ext["step"]), comp_sig), name="recipes.steps")
-    return {"after_recipe": after_recipe, "spread": spread(model), "finite": bool(torch.isfinite(flat(model)).all()),
+    return {"after_recipe": after_recipe, "spread": spread(model), "finite": bool(torch.isfinite(flat_params(model)).all()),
             "same_hvd_ext_state": len(set(steps_seen)) == 1, "step": int(ext["step"])}
 
 
@@ -97,7 +84,7 @@ SPECS = ["fp16", "topk:ratio=0.3", "topk:ratio=0.3,feedback=ewma", "powersgd:ran
 
 def sync_case(sspec):
     """3. sync strategies: strategy state loaded on rank 0 only"""
-    model = model_fn()
+    model = small_model()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                        named_parameters=model.named_parameters())
@@ -105,7 +92,7 @@ def sync_case(sspec):
     train(model, opt, 0, 3, sync)
     ck = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": opt.state_dict(),
           "sync": sync.state_dict()}
-    model = model_fn()
+    model = small_model()
     opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                        named_parameters=model.named_parameters())
     sync = hvd_ext.sync_from_spec(sspec)(opt, model)
@@ -122,21 +109,21 @@ def sync_case(sspec):
 
 def outside_set():
     """4. a process set that excludes rank 1: constructs, steps locally, no communication there"""
-    model = model_fn()
-    before = flat(model).clone()
+    model = small_model()
+    before = flat_params(model).clone()
     opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(),
                                        compression="topk:ratio=0.5", process_set=only0)
     collectives_before = opt.exchange.stats.collectives
-    x, y = data(50)
+    x, y = small_batch(RANK, 50)
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
     expected = before - 0.1 * torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     opt.step()
     return {"included": only0.included(),
             "collectives": opt.exchange.stats.collectives - collectives_before,
-            "local_step_err": float((flat(model) - expected).abs().max()) if RANK != 0 else None,
-            "changed": bool((flat(model) - before).abs().max() > 0)}
+            "local_step_err": float((flat_params(model) - expected).abs().max()) if RANK != 0 else None,
+            "changed": bool((flat_params(model) - before).abs().max() > 0)}
 
 
 def check(checks, r):
