@@ -73,6 +73,7 @@ WORKLOAD_METHODS = [
     ("none", ["--compression", "none"], "gloo"),
     ("topk:ratio=0.01", ["--compression", "topk:ratio=0.01"], "gloo"),
     ("sig:ratio=0.01", ["--compression", "sig:ratio=0.01"], "gloo"),
+    ("topk:ratio=0.01,feedback=ewma", ["--compression", "topk:ratio=0.01,feedback=ewma"], "gloo"),
     ("qsgd:bits=8", ["--compression", "qsgd:bits=8"], "gloo"),
     ("qdist:bits=3", ["--compression", "qdist:bits=3"], "gloo"),
     ("powersgd:rank=2", ["--compression", "powersgd:rank=2"], "gloo"),
@@ -81,6 +82,7 @@ SYNC_METHODS = [
     ("local:period=8", ["--sync", "local:period=8"], "gloo"),
     ("adaptive:min=1,max=32", ["--sync", "adaptive:min=1,max=32"], "gloo"),
     ("event", ["--sync", "event"], "mpi"),
+    ("event:staleness=none", ["--sync", "event:staleness=none"], "mpi"),  # technique 2's ablation
 ]
 
 
@@ -92,6 +94,9 @@ def main(argv=None):
                    help="with --workload: more workload_train.py arguments for every method, one string "
                         "(e.g. --extra='--epochs 3')")
     p.add_argument("--only", nargs="*", default=None, help="run recipes whose label starts with one of these")
+    p.add_argument("--tag", default=None,
+                   help="with --workload: write workload_NAME_TAG.{json,md,png}, a variant (e.g. --ranks 4) "
+                        "kept apart from the workload's main file and summary")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "convergence"))
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per job")
@@ -186,17 +191,19 @@ def run_workload(a) -> int:
     from hvd_ext.examples.workloads import get_workload
 
     w = get_workload(a.workload)
-    methods = WORKLOAD_METHODS + (SYNC_METHODS if (w.skew is not None or w.slow_factor > 1) else [])
+    # sync strategies by default where ranks differ (skew, a straggler); elsewhere when --only names them
+    heterogeneous = w.skew is not None or w.slow_factor > 1
+    methods = WORKLOAD_METHODS + (SYNC_METHODS if heterogeneous or a.only else [])
     methods = [m for m in methods if not a.only or any(m[0].startswith(o) for o in a.only)]
     if not methods:
         raise SystemExit(f"--only {a.only} matches no method of workload {w.name}")
-    out = common.RESULTS / f"workload_{common.slug(w.name)}"
+    out = common.RESULTS / (f"workload_{common.slug(w.name)}" + (f"_{common.slug(a.tag)}" if a.tag else ""))
     work = common.RESULTS / "workload_logs"
     work.mkdir(parents=True, exist_ok=True)
     extra = shlex.split(a.extra)
     rows, meta = [], None
     for label, args, launcher in methods:
-        tag = f"{common.slug(w.name)}__{common.slug(label)}"
+        tag = f"{out.name[len('workload_'):]}__{common.slug(label)}"
         js = work / f"{tag}.json"
         reuse = a.reuse and js.exists()
         if not reuse:
@@ -248,8 +255,9 @@ def run_workload(a) -> int:
     info = meta or meta_prev
     doc = {"title": f"Convergence on workload `{w.name}`", "workload": w.name, "workload_info": info,
            "machine": common.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "ranks": a.ranks,
-           "command": f"python benchmarks/convergence.py --workload {w.name}" + (f" --extra='{a.extra}'" if a.extra
-                                                                                 else ""),
+           "command": f"python benchmarks/convergence.py --workload {w.name}"
+           + (f" --ranks {a.ranks}" if a.ranks != 2 else "") + (f" --tag {a.tag}" if a.tag else "")
+           + (f" --extra='{a.extra}'" if a.extra else ""),
            "rows": rows}
     compare_to_baselines(doc, w)
     png = out.with_suffix(".png")
@@ -378,7 +386,10 @@ def workload_markdown(doc, w) -> str:
         L.append(f"Non-IID: label skew {info['skew']} (each class's home rank holds that fraction of it); "
                  f"label histograms per rank: {info.get('shard_label_histograms')}.")
     if info.get("slow_rank") is not None:
-        L.append(f"Straggler: rank {info['slow_rank']} takes {info['slow_factor']}x as long per step "
+        slow = info["slow_rank"] if isinstance(info["slow_rank"], list) else [info["slow_rank"]]
+        L.append(f"Straggler{'s' if len(slow) > 1 else ''}: rank{'s' if len(slow) > 1 else ''} "
+                 f"{' and '.join(map(str, slow))} take{'' if len(slow) > 1 else 's'} {info['slow_factor']}x as "
+                 "long per step "
                  f"(sleeps (f-1) x its measured forward+backward time).")
     if info.get("corpus"):
         c = info["corpus"]

@@ -4,6 +4,8 @@
     python benchmarks/make_results.py                       # reads benchmarks/results/*.json
     python benchmarks/make_results.py --extra other.json    # also summarize another benchmark's JSON
 
+It also rewrites the technique status table of docs/techniques.md (``technique_status.py``).
+
 RESULTS.md is the index: one summary table per benchmark, and under it one line per run
 that links the run's own detail file (``NAME.md`` next to ``NAME.json`` in
 benchmarks/results/, or the JSON itself) with its command, date, commit and the
@@ -558,6 +560,10 @@ def main(argv=None):
     text = build(Path(a.results).resolve(), out, a.extra)
     out.write_text(text)
     print(f"wrote {out} ({len(text.splitlines())} lines)")
+    import technique_status  # docs/techniques.md's status table comes from the same results
+
+    if technique_status.update(Path(a.results).resolve()):
+        print(f"wrote the technique status table in {technique_status.DOC}")
 
 
 if __name__ == "__main__":

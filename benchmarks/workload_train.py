@@ -7,7 +7,7 @@
 Same training loop as the main job (scripts/train.py: SGD or AdamW, one-cycle
 schedule, hvd_ext.DistributedOptimizer or ``--plain-horovod``, ``--sync`` strategies)
 on any workload, with optional non-IID label-skewed shards (``--skew``) and a slow
-rank (``--slow-rank``/``--slow-factor``: after its forward+backward the slow rank
+rank or several (``--slow-rank 1`` or ``1,3``, ``--slow-factor``: after its forward+backward a slow rank
 sleeps (factor-1) x that compute time). At every epoch end rank 0 evaluates (the
 clock stops meanwhile) and records the metric and its cumulative training seconds:
 
@@ -45,6 +45,17 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import torch  # noqa: E402
 
 
+def rank_list(text: str):
+    """'1' or '1,3' -> (1,) or (1, 3)."""
+    try:
+        ranks = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--slow-rank takes rank numbers separated by commas, got {text!r}")
+    if not ranks or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"--slow-rank takes ranks >= 0, got {text!r}")
+    return ranks
+
+
 def parse_args(argv=None):
     from hvd_ext.examples.workloads import WORKLOADS
 
@@ -57,7 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=None, help="peak learning rate; default: the workload's")
     p.add_argument("--batch", type=int, default=None, help="samples per rank per step; default: the workload's")
     p.add_argument("--skew", type=float, default=None, help="label skew of the shards (default: the workload's)")
-    p.add_argument("--slow-rank", type=int, default=None)
+    p.add_argument("--slow-rank", type=rank_list, default=None,
+                   help="the slow rank(s), a comma list: 1 or 1,3 (default: the workload's)")
     p.add_argument("--slow-factor", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -149,7 +161,8 @@ def main(argv=None):
     table = schedule_table(w.lr, cycle) if is_async else None
     has_bn = any(b.is_floating_point() for b in model.buffers())
     flat = FlatState(model, opt, buffers=False, momentum=False)
-    slow = rank == w.slow_rank and w.slow_factor > 1.0
+    slow_ranks = w.slow_rank if isinstance(w.slow_rank, tuple) else (w.slow_rank,)
+    slow = rank in slow_ranks and w.slow_factor > 1.0
 
     def evaluate() -> float:
         if is_async:  # the server's z, read one-sided
@@ -232,7 +245,7 @@ def main(argv=None):
                                                                           f"@{sync_factory.spec()}"),
         "compression": a.compression, "sync": sync.describe(), "ranks": size, "epochs": w.epochs,
         "steps": total_steps, "budget_batches": budget, "steps_per_rank": steps_per_rank, "batch": w.batch, "lr": w.lr, "optimizer": w.optimizer, "skew": w.skew,
-        "shard_label_histograms": hist_labels, "slow_rank": w.slow_rank if w.slow_factor > 1 else None,
+        "shard_label_histograms": hist_labels, "slow_rank": (list(slow_ranks) if len(slow_ranks) > 1 else slow_ranks[0]) if w.slow_factor > 1 else None,
         "slow_factor": w.slow_factor, "final_metric": final, "train_time_s": train_time,
         "bytes_sent_per_step": mean["bytes_sent_per_step"], "bytes_ratio_vs_dense": mean["bytes_sent_per_step"] / dense,
         "comm_wait_ms_per_step": mean["comm_wait_ms_per_step"], "exchanges": mean["exchanges"],
