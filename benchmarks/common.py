@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import re
@@ -19,6 +20,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPED = ROOT / "scripts" / "shaped-cluster"
 RESULTS = ROOT / "benchmarks" / "results"
 PY = sys.executable
+
+
+def fmt_metric(metric: str, v) -> str:
+    """A workload's metric as the results print it: accuracy in percent, a loss to 3 decimals, '—' if none."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    return f"{100 * v:.2f}%" if metric == "acc" else f"{v:.3f}"
+
+
+def busy_load(machine: Dict) -> Optional[float]:
+    """The 1-minute load at a run's start when it was above twice the core count (the benchmark's own
+    ranks load the machine too, so only that marks it busy); else None."""
+    start, cpus = machine.get("loadavg_start"), machine.get("cpus")
+    return float(start[0]) if start and cpus and float(start[0]) > 2 * float(cpus) else None
 
 
 def machine_info() -> Dict:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -239,7 +238,7 @@ def run_workload(a) -> int:
             meta = {k: r[k] for k in ("description", "metric", "target", "epochs", "steps", "batch", "lr", "optimizer",
                                       "skew", "shard_label_histograms", "slow_rank", "slow_factor", "params",
                                       "batchnorm", "corpus", "ranks")}
-            print(f"{w.name:20s} {label:24s} final {_fmt_metric(w.metric, row['final'])}  to target "
+            print(f"{w.name:20s} {label:24s} final {common.fmt_metric(w.metric, row['final'])}  to target "
                   f"{_fmt_t(row['time_to_target_s'])} (epoch {row['epochs_to_target']})  train {row['train_time_s']:.1f}s"
                   f"  bytes {row['bytes_ratio_vs_dense']:.4f} of dense", flush=True)
         rows.append(row)
@@ -293,11 +292,11 @@ def write_summary() -> None:
         hit = [r for r in by.values() if r.get("time_to_target_s") is not None]
         best = min(hit, key=lambda r: r["time_to_target_s"]) if hit else None
         miss = [r["method"] for r in d["rows"] if r["status"] != "ok" or r.get("time_to_target_s") is None]
-        cell = lambda r: "—" if r is None else f"{_fmt_metric(w.metric, r['final'])} / {_fmt_t(r['time_to_target_s'])}"  # noqa: E731
-        L.append(f"| `{w.name}` | {w.metric} | {_fmt_metric(w.metric, w.target)} | {cell(by.get('horovod'))} | "
+        cell = lambda r: "—" if r is None else f"{common.fmt_metric(w.metric, r['final'])} / {_fmt_t(r['time_to_target_s'])}"  # noqa: E731
+        L.append(f"| `{w.name}` | {w.metric} | {common.fmt_metric(w.metric, w.target)} | {cell(by.get('horovod'))} | "
                  f"{cell(by.get('none'))} | " + ("—" if best is None else
                                                 f"`{best['method']}`, {best['time_to_target_s']:.1f}s, "
-                                                f"{_fmt_metric(w.metric, best['final'])}")
+                                                f"{common.fmt_metric(w.metric, best['final'])}")
                  + f" | {', '.join(f'`{m}`' for m in miss) or 'none'} |")
         summary.append({"workload": w.name, "best": best and best["method"], "not_reaching": miss})
         loc = by.get("local:period=8")
@@ -343,12 +342,6 @@ def write_summary() -> None:
     out.with_suffix(".md").write_text("\n".join(L) + "\n")
 
 
-def _fmt_metric(metric, v):
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "—"
-    return f"{100 * v:.2f}%" if metric == "acc" else f"{v:.3f}"
-
-
 def _fmt_t(t):
     return "not reached" if t is None else f"{t:.1f}s"
 
@@ -377,7 +370,7 @@ def workload_markdown(doc, w) -> str:
     info = doc.get("workload_info") or {}
     m = w.metric
     unit = "test accuracy" if m == "acc" else "held-out loss, nats/byte (lower is better)"
-    tgt = _fmt_metric(m, w.target)
+    tgt = common.fmt_metric(m, w.target)
     L = [f"Workload `{w.name}`: {info.get('description', w.description)}; {doc['ranks']} ranks, "
          f"{info.get('epochs')} epochs x {info.get('steps', 0) // max(info.get('epochs') or 1, 1)} steps, batch "
          f"{info.get('batch')} per rank, {info.get('optimizer')} lr {info.get('lr')} (one-cycle), unshaped loopback; "
@@ -406,7 +399,7 @@ def workload_markdown(doc, w) -> str:
             continue
         ep = "—" if r["epochs_to_target"] is None else (f"{r['epochs_to_target']}" +
                                                        (" (after finish)" if r.get("target_after_finish") else ""))
-        L.append(f"| `{r['method']}` | {_fmt_metric(m, r['final'])} | {d(r.get('better_than_none'))} | "
+        L.append(f"| `{r['method']}` | {common.fmt_metric(m, r['final'])} | {d(r.get('better_than_none'))} | "
                  f"{d(r.get('better_than_horovod'))} | {_fmt_t(r['time_to_target_s'])} | {ep} | "
                  f"{x(r.get('speedup_to_target_vs_horovod'))} | {x(r.get('speedup_to_target_vs_local_period=8'))} | "
                  f"{r['train_time_s']:.1f}s | {r['bytes_ratio_vs_dense']:.4f} | {r['exchanges']:.0f} |")
@@ -424,7 +417,7 @@ def workload_markdown(doc, w) -> str:
           "|---|" + "---|" * ((info.get("epochs") or 0) + 1)]
     for r in doc["rows"]:
         if r["status"] == "ok":
-            L.append(f"| `{r['method']}` | " + " | ".join(f"{_fmt_metric(m, v)} @ {t:.0f}s" for t, v in r["curve"])
+            L.append(f"| `{r['method']}` | " + " | ".join(f"{common.fmt_metric(m, v)} @ {t:.0f}s" for t, v in r["curve"])
                      + " |")
     for p in doc.get("plots", []):
         L += ["", f"![{Path(p).stem}](results/{p})"]

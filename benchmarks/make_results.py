@@ -134,7 +134,7 @@ def load_text(m: Dict) -> str:
         return ""
     cpus = m.get("cpus")
     s = "load " + "→".join(f"{float(x[0]):.1f}" for x in (start, end) if x) + (f" on {cpus} cores" if cpus else "")
-    if start and cpus and float(start[0]) > 2 * cpus:
+    if common.busy_load(m) is not None:
         s += " (**busy machine**: timings are noisy)"
     return s
 
