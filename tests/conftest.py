@@ -5,7 +5,7 @@ Layout of tests/ (``python -m pytest -rs -q tests``):
   unit/       single-process tests, mirroring hvd_ext/: unit/<package path>/test_<module>.py
               (unit/exchange/routes/test_twophase.py tests hvd_ext/exchange/routes/twophase.py)
   multirank/  tests that launch several processes (``launch`` / ``run_ranks`` below); the scripts
-              they launch are in multirank/workers/ (each prints RESULT lines that ``launch`` collects)
+              they launch are in multirank/workers/ (each emits RESULTs that ``launch`` collects)
   system/     checks of the repository as a whole: layer contracts, scripts, docs, testbed, fuzzing,
               the sync budget on the emulated GPU
   helpers/    helpers shared by several test modules, each written once; cuda_cpu/: the CUDA-on-CPU
@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "multirank" / "workers"
 
 
-def _env():
+def _env(results_dir=None):
     env = dict(os.environ)
+    if results_dir:
+        env["HVDX_TEST_RESULTS_DIR"] = results_dir  # workers/common.emit writes each RESULT there
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
@@ -47,9 +50,10 @@ def launch(script, *args, np=2, launcher="gloo", timeout=180, expect=None):
     """Run ``script`` (a path, or a name under tests/multirank/workers) on ``np`` ranks.
 
     launcher: "gloo" -> horovodrun --gloo, "mpi" -> horovodrun --mpi, "mpirun" -> plain mpirun.
-    Returns the list of JSON objects printed by the ranks on lines starting with
-    'RESULT ' (``expect`` of them, default one per rank, sorted by their "rank" key). A hang fails after ``timeout``
-    seconds; a non-zero exit fails with the output.
+    Returns the list of JSON objects the ranks emitted (workers/common.emit writes them to files in a
+    fresh folder, so a launcher that splits long output lines cannot garble them): ``expect`` of them,
+    default one per rank, sorted by their "rank" key. A hang fails after ``timeout`` seconds; a
+    non-zero exit fails with the output.
     """
     script = Path(script)
     if not script.is_absolute():
@@ -63,32 +67,28 @@ def launch(script, *args, np=2, launcher="gloo", timeout=180, expect=None):
                py, str(script), *map(str, args)]
     elif launcher == "mpirun":
         cmd = ["mpirun", "-np", str(np), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none",
-               "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", py, str(script), *map(str, args)]
+               "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", "-x", "HVDX_TEST_RESULTS_DIR",
+               py, str(script), *map(str, args)]
     else:
         raise ValueError(f"launcher must be gloo, mpi or mpirun, got {launcher!r}")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                            cwd=str(ROOT), start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} hung for {timeout}s (deadlock?)\n{(stdout + stderr)[-4000:]}")
-    out = stdout + stderr
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{out[-6000:]}")
-    results = []
-    decoder = json.JSONDecoder()
-    text = stdout
-    i = text.find("RESULT {")
-    while i >= 0:  # launchers may glue ranks' lines together: decode object by object
-        obj, end = decoder.raw_decode(text, i + 7)
-        results.append(obj)
-        i = text.find("RESULT {", end)
+    with tempfile.TemporaryDirectory(prefix="hvdx-results-") as results_dir:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_env(results_dir), cwd=str(ROOT), start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"{' '.join(cmd)} hung for {timeout}s (deadlock?)\n{(stdout + stderr)[-4000:]}")
+        out = stdout + stderr
+        if proc.returncode != 0:
+            pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{out[-6000:]}")
+        results = [json.loads(line) for f in sorted(Path(results_dir).glob("*.jsonl"))
+                   for line in f.read_text().splitlines() if line.strip()]
     results.sort(key=lambda r: r.get("rank", 0))
     expect = np if expect is None else expect
     if len(results) != expect:
-        pytest.fail(f"expected {expect} RESULT lines, got {len(results)}\n{out[-6000:]}")
+        pytest.fail(f"expected {expect} RESULTs, got {len(results)}\n{out[-6000:]}")
     return results
 
 

@@ -11,12 +11,22 @@ The test side (tests/helpers/checks.py, ``assert_checks``) fails naming every fa
 rank and detail. Name a check ``"<section>: <what must hold>"``: a test can assert one section.
 """
 import json
+import os
 import sys
+
+RESULTS_DIR_ENV = "HVDX_TEST_RESULTS_DIR"
 
 
 def emit(**kw):
-    """Print one RESULT line that tests.conftest.launch collects."""
-    print("RESULT " + json.dumps(kw), flush=True)
+    """One RESULT: appended as a JSON line to this process's file under $HVDX_TEST_RESULTS_DIR (what
+    tests.conftest.launch collects: a launcher may split or interleave long stdout lines), and printed
+    as a ``RESULT`` line for a reader of the output."""
+    line = json.dumps(kw)
+    out_dir = os.environ.get(RESULTS_DIR_ENV)
+    if out_dir:
+        with open(os.path.join(out_dir, f"{os.getpid()}.jsonl"), "a") as f:
+            f.write(line + "\n")
+    print("RESULT " + line, flush=True)
     sys.stdout.flush()
 
 
