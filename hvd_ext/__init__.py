@@ -9,5 +9,6 @@ from .feedback import Feedback  # noqa: F401
 from .optimizer import DistributedOptimizer  # noqa: F401
 from .sync import (AdaptiveSync, EventTriggeredSGD, LocalSGD, ParameterServer,  # noqa: F401
                    sync_from_spec)
+from .plan import plan  # noqa: F401  (python -m hvd_ext.plan: will compression pay on my cluster?)
 
 __version__ = "0.1.0"

@@ -59,7 +59,7 @@ from .accuracy_guard import DEFAULT_BOUND, AccuracyGuard
 from .feedback.residual import ResidualFeedback
 from .compression.base import Compressor, Continue, TensorInfo
 from .compression.common import COMMON_ALIASES, COMMON_OPTIONS
-from .exchange import cost
+from .exchange import calibration, cost
 from .exchange.probe import best_time
 from .exchange.routes import TensorRecord, choose_route, flat_record
 from .ops.device import Timer
@@ -97,6 +97,12 @@ AUTO_OPTIONS = {
     "trial": Option(int, 20, "int >= 0", lambda v: v >= 0,
                     help="exchanges each contender runs when the model cannot separate them (0: trust the model)"),
 }
+
+
+def most_accurate_within(times: Sequence[float], fastest: int, allowance: float) -> int:
+    """The first candidate (candidates are listed most accurate first) whose predicted time is within
+    ``allowance`` seconds of the fastest's: ``auto``'s choice for one bucket, and the planner's."""
+    return next(ci for ci, t in enumerate(times) if t <= times[fastest] + allowance)
 
 
 class AutoCompression(Compressor):
@@ -359,6 +365,10 @@ class AutoTuner(Policy):
 
     def _probe_link(self) -> Dict[str, float]:
         N = self.pipe.size
+        given = calibration.flat_link(calibration.from_env(), N)
+        if given is not None:  # HVD_EXT_CALIBRATION: the link python -m hvd_ext.plan --measure found
+            wire = cost.allreduce_wire(4.0 * (_PROBE_LARGE - _PROBE_SMALL), N)
+            return {"lat": given["lat"], "large": given["lat"] + wire / given["bandwidth"], "wire": wire}
 
         dev = self.pipe.buckets[0].params[0].device if self.pipe.buckets else "cpu"  # the gradients' link
         small, large = torch.zeros(_PROBE_SMALL, device=dev), torch.zeros(_PROBE_LARGE, device=dev)
@@ -437,15 +447,8 @@ class AutoTuner(Policy):
     # ---- deciding --------------------------------------------------------------------------
     def predict(self, kind: str, numel: int, payload: float, enc: float, dec: float) -> float:
 
-        N = self.pipe.size
-        lat, bw = self.link["lat"], self.link["bw"]
-        if kind == "allreduce":
-            wire, code = cost.allreduce_wire(payload, N), enc + dec
-        elif kind == "allgather":
-            wire, code = (N - 1) * payload, enc + N * dec
-        else:  # twophase / sparse_rs: shards coded twice (worker and owner)
-            wire, code = 2.0 * (N - 1) / N * payload, 2.0 * (enc + dec)
-        return _COLLECTIVES.get(kind, 2) * lat + wire / bw + code
+        wire, code = cost.route_wire_and_code(kind, self.pipe.size, payload, enc, dec)
+        return _COLLECTIVES.get(kind, 2) * self.link["lat"] + wire / self.link["bw"] + code
 
     def evaluate(self, reason: str) -> None:
         """One decision: measure (link, codecs, compute: the ranks' mean) -> predict every candidate on
@@ -535,7 +538,7 @@ class AutoTuner(Policy):
         for b, f in zip(self.pipe.buckets, forecasts):
             times, fastest = f.times, f.fastest
             allowance = self.auto.slack * step_time * f.numel / total
-            best = next(ci for ci, t in enumerate(times) if t <= times[fastest] + allowance)
+            best = most_accurate_within(times, fastest, allowance)
             cur = self.choice[b.index]
             if self.last_eval is not None and best != cur and times[cur] < float("inf"):
                 # hysteresis: a less accurate codec must be `margin` faster than the current one; a more

@@ -54,7 +54,7 @@ import torch
 
 from ..ops.device import expect, nonfinite as nonfinite_flag, on_host, read, upload
 from ..ops.cpu_kernels import empty, sum_float32
-from . import cost
+from . import calibration, cost
 from . import probe
 from .transport import _NODE_GROUPS, HorovodTransport, NodeGroupsUnavailable, Transport, offsets
 
@@ -274,13 +274,16 @@ class Exchange:
         return self._node
 
     def node_model(self, device=None) -> "cost.NodeModel":
-        """The intra- and inter-node links as a :class:`~hvd_ext.exchange.cost.NodeModel`: measured
-        once (:func:`~hvd_ext.exchange.probe.measure_node_model`; collective, after
-        :meth:`node_exchanges` succeeded), else the cost model's defaults (``HVD_EXT_NODE_LINKS=default``
-        or a transport whose timings mean nothing). The same on every rank."""
+        """The intra- and inter-node links as a :class:`~hvd_ext.exchange.cost.NodeModel`: from the
+        calibration file ``HVD_EXT_CALIBRATION`` names (:mod:`~hvd_ext.exchange.calibration`; set it
+        on every rank), else measured once (:func:`~hvd_ext.exchange.probe.measure_node_model`;
+        collective, after :meth:`node_exchanges` succeeded), else the cost model's defaults
+        (``HVD_EXT_NODE_LINKS=default`` or a transport whose timings mean nothing). The same on every rank."""
         if self._node_model is None:
-
-            if probe.node_links_setting() == "measure" and self.transport.measurable:
+            calibrated = calibration.node_model(calibration.from_env())
+            if calibrated is not None:
+                self.use_node_model(calibrated, f"calibration file (${calibration.ENV})")
+            elif probe.node_links_setting() == "measure" and self.transport.measurable:
                 # once per process set and world: a second optimizer (a GAN's) takes the same links
                 key = id(getattr(self.transport, "process_set", None))
                 if key not in probe.MEASURED:

@@ -79,6 +79,20 @@ class LinkModel:
 EXCHANGES = ("allreduce", "allgather", "twophase")
 
 
+def route_wire_and_code(kind: str, size: int, payload: float, enc: float, dec: float) -> tuple:
+    """(wire bytes per rank, codec seconds) of one bucket's exchange on route ``kind`` over ``size``
+    ranks, from its payload bytes and its encode / decode seconds: ``allreduce`` carries the payload
+    on a ring and codes it once; ``allgather`` decodes every rank's payload; the scalable routes
+    (``twophase``, ``sparse_rs``) code shards twice (worker and owner). ``compression="auto"`` and
+    the planner (:mod:`hvd_ext.plan`) both predict with it."""
+    N = size
+    if kind == "allreduce":
+        return allreduce_wire(payload, N), enc + dec
+    if kind == "allgather":
+        return (N - 1) * payload, enc + N * dec
+    return 2.0 * (N - 1) / N * payload, 2.0 * (enc + dec)
+
+
 def per_rank(exchange: str, n_elems: int, compressed_bytes: float, size: int) -> Dict[str, float]:
     """Messages, wire bytes and coded elements per rank for one bucket (see the module table)."""
     N = size

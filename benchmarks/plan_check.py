@@ -1,0 +1,189 @@
+#!/usr/bin/env python
+"""The planner against the testbed: predicted / measured step time and bytes, per method, per world.
+
+    python benchmarks/plan_check.py                               # N = 2, 4 at 300mbit and unshaped
+    python benchmarks/plan_check.py --ranks 2 4 8 --rates 100mbit 300mbit 1gbit unshaped
+
+For each (N, rate) one job (``horovodrun --gloo`` in a shaped namespace, ``scripts/shaped-cluster``):
+
+1. ``hvd_ext.plan.calibration.measure`` calibrates the job: the flat link, codec speeds on this CPU
+   with the ranks running at once (so ranks that share cores share them here too), and the
+   compute time of the main job's CNN step without any exchange;
+2. the methods take turns, ``--rounds`` rounds of ``--steps`` steps (as ``overhead.py``), so this
+   machine's drift hits them alike; measured: median ms/step, bytes sent per rank per step;
+3. ``hvd_ext.plan.plan`` predicts every method from that calibration; reported: predicted /
+   measured step time per method, its median and spread over the methods, and the bytes ratio.
+
+Writes benchmarks/results/plan_check.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# measured name -> (planner row label, route)
+METHODS = {
+    "horovod": ("horovod", "allreduce"),
+    "horovod fp16": ("horovod fp16", "allreduce"),
+    "qsgd:bits=8,exchange=twophase": ("qsgd:bits=8,exchange=twophase", "twophase"),
+    "topk:ratio=0.01,exchange=twophase": ("topk:ratio=0.01,exchange=twophase", "sparse_rs"),
+    "powersgd:warmup=0": ("powersgd:warmup=0", "allreduce"),  # its steady state, as the plan predicts
+}
+
+
+def worker(args) -> None:
+    import horovod.torch as hvd
+    import torch
+    import torch.nn.functional as F
+
+    import hvd_ext
+    from hvd_ext.examples.mnist1d import MNIST1DCNN
+    from hvd_ext.plan import plan
+    from hvd_ext.plan.calibration import measure
+
+    hvd.init()
+    torch.set_num_threads(1)
+    N = hvd.size()
+    x, y = torch.randn(args.batch, 40), torch.randint(0, 10, (args.batch,))
+
+    def make(m):
+        torch.manual_seed(0)
+        model = MNIST1DCNN(args.channels)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if m == "compute":
+            pass
+        elif m.startswith("horovod"):
+            comp = hvd.Compression.fp16 if m.endswith("fp16") else hvd.Compression.none
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
+        else:
+            opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=m)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        return model, opt
+
+    def step(run):
+        model, opt = run
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    floor = make("compute")
+    for _ in range(3):
+        step(floor)
+    cal = measure(methods=[m for m in METHODS if not m.startswith("horovod")], step=lambda: step(floor),
+                  steps=args.steps)
+    runs = {m: make(m) for m in METHODS}
+    def wire(run):  # modelled wire bytes this rank sent so far (hvd_ext's exchange counts them)
+        return sum(run[1].stats.extra.get("wire_by_link", {}).values()) if hasattr(run[1], "stats") else 0.0
+
+    wire0 = {}
+    for m, run in runs.items():
+        for _ in range(args.warmup):
+            step(run)
+        wire0[m] = wire(run)
+    times = {m: [] for m in METHODS}
+    for r in range(args.rounds):
+        for m, run in runs.items():
+            hvd.allreduce(torch.zeros(1), name=f"plan_check.sync.{r}.{m}")
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step(run)
+            times[m].append((time.perf_counter() - t0) / args.steps)
+    model = runs["horovod"][0]
+    dense = 4.0 * sum(p.numel() for p in model.parameters())
+    measured = {}
+    for m, run in runs.items():
+        t = hvd.allreduce(torch.tensor(statistics.median(times[m]), dtype=torch.float64), op=hvd.Average,
+                          name=f"plan_check.t.{m}").item()
+        if hasattr(run[1], "stats"):
+            sent = (wire(run) - wire0[m]) / (args.rounds * args.steps)
+        else:  # Horovod's ring allreduce: 2(N-1)/N of the (fp16: half) dense gradient per rank
+            sent = 2.0 * (N - 1) / N * dense * (0.5 if m.endswith("fp16") else 1.0)
+        measured[m] = {"step_s": t, "bytes_sent": sent}
+    specs = [m for m in METHODS if not m.startswith("horovod")]
+    p = plan(model, compute_s=cal["compute_s"], cluster=None, nodes=1, gpus_per_node=N, device="cpu",
+             methods=specs, calibration=cal, breakeven_search=False)
+    if hvd.rank() == 0:
+        rows = []
+        for m, (label, route) in METHODS.items():
+            pr = p.row(label, route)
+            rows.append({"method": m, "route": route, "measured_step_ms": measured[m]["step_s"] * 1e3,
+                         "predicted_step_ms": pr.step_s * 1e3, "step_ratio": pr.step_s / measured[m]["step_s"],
+                         "measured_bytes": measured[m]["bytes_sent"], "predicted_bytes": pr.wire,
+                         "bytes_ratio": pr.wire / max(measured[m]["bytes_sent"], 1.0)})
+        Path(args.worker_out).write_text(json.dumps({"ranks": N, "calibration": cal, "rows": rows,
+                                                     "params": int(dense / 4)}, indent=1))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--rates", nargs="+", default=["300mbit", "unshaped"])
+    ap.add_argument("--channels", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    import common
+
+    common.add_load_option(ap)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    common.refuse_if_loaded(args)
+    load = common.loadavg()
+    results = []
+    for n in args.ranks:
+        for rate in args.rates:
+            out = common.RESULTS / "plan_check_logs" / f"np{n}_{rate}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            cmd = (common.shaped_prefix(None if rate == "unshaped" else rate) + common.hvd_launcher(n)
+                   + [common.PY, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
+                      "--channels", str(args.channels), "--batch", str(args.batch), "--steps", str(args.steps),
+                      "--rounds", str(args.rounds), "--warmup", str(args.warmup)])
+            r = common.run_job(cmd, out.with_suffix(".log"), timeout=900)
+            if r["rc"] != 0 or not out.exists():
+                print(f"np {n} {rate}: failed (rc {r['rc']}); see {out.with_suffix('.log')}\n{r['tail']}")
+                continue
+            res = json.loads(out.read_text())
+            res.update(rate=rate, loadavg_end=common.loadavg())
+            results.append(res)
+            ratios = [row["step_ratio"] for row in res["rows"]]
+            print(f"np {n} {rate}: predicted/measured step median {statistics.median(ratios):.2f} "
+                  f"[{min(ratios):.2f}, {max(ratios):.2f}]")
+    doc = {"machine": common.machine_info(), "loadavg_start": load, "results": results,
+           "command": "python benchmarks/plan_check.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    common.write_json(common.RESULTS / "plan_check.json", doc)
+    (common.RESULTS / "plan_check.md").write_text(render(doc))
+    print(render(doc))
+
+
+def render(doc) -> str:
+    lines = ["# The planner against the testbed", "",
+             f"`{doc['command']}`; load at start {doc['loadavg_start']}. The main job's CNN "
+             "(MNIST-1D, batch 64 per rank), one job per world; every prediction from the calibration "
+             "the same job measured (`hvd_ext.plan.calibration.measure`).", "",
+             "| ranks | link | method | route | measured ms/step | predicted | pred/meas | bytes pred/meas |",
+             "|---|---|---|---|---|---|---|---|"]
+    for res in doc["results"]:
+        for row in res["rows"]:
+            lines.append(f"| {res['ranks']} | {res['rate']} | `{row['method']}` | {row['route']} | "
+                         f"{row['measured_step_ms']:.2f} | {row['predicted_step_ms']:.2f} | "
+                         f"{row['step_ratio']:.2f} | {row['bytes_ratio']:.2f} |")
+    allr = [row["step_ratio"] for res in doc["results"] for row in res["rows"]]
+    if allr:
+        lines += ["", f"Step time, predicted / measured, all rows: median {statistics.median(allr):.2f}, "
+                  f"range [{min(allr):.2f}, {max(allr):.2f}] over {len(allr)} rows."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""A calibration file: the links and codec speeds measured once on a cluster
+(``python -m hvd_ext.plan --measure``), read by the planner and by ``compression="auto"``, so both
+predict with the same numbers.
+
+Format (JSON)::
+
+    {"version": 1, "ranks": N, "nodes": M, "local": L, "device": "cuda" | "cpu",
+     "links": {"flat":  {"lat": s per allreduce, "bandwidth": B/s},     # this world's allreduce
+               "intra": {"alpha": s per message, "bandwidth": B/s},     # inside a node
+               "inter": {"alpha": ..., "bandwidth": ...}},              # between nodes (M > 1)
+     "codec": {"<spec>": elements per second of one encode or decode pass, ...},
+     "codec_fixed_s": {"<spec>": seconds one pass costs whatever its size, ...},
+     "compute_s": optional seconds of one step's forward + backward}
+
+Set ``HVD_EXT_CALIBRATION=path`` for a job: ``auto`` then takes the flat link from the file instead
+of probing it (when the file's rank count is the job's), and the node-aware route choice takes the
+intra / inter links from it instead of measuring them. Codec times ``auto`` still measures on the
+job's own buckets.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Optional
+
+from .cost import LinkModel, NodeModel
+
+ENV = "HVD_EXT_CALIBRATION"
+VERSION = 1
+_CACHE: Dict[str, Dict[str, Any]] = {}
+
+
+def _bad(path: str, what: str) -> ValueError:
+    return ValueError(f"calibration file {path!r}: {what}; write one with `python -m hvd_ext.plan --measure`")
+
+
+def load(path: str) -> Dict[str, Any]:
+    """The calibration at ``path``, checked (a clear ValueError names what is wrong)."""
+    try:
+        with open(path) as f:
+            cal = json.load(f)
+    except OSError as e:
+        raise _bad(path, f"cannot be read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise _bad(path, f"is not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(cal, dict) or cal.get("version") != VERSION:
+        raise _bad(path, f"version must be {VERSION}")
+    links = cal.get("links", {})
+    for name, need in (("flat", ("lat", "bandwidth")), ("intra", ("alpha", "bandwidth")),
+                       ("inter", ("alpha", "bandwidth"))):
+        if name in links:
+            link = links[name]
+            if not isinstance(link, dict) or any(not isinstance(link.get(k), (int, float)) or link[k] < 0
+                                                 for k in need) or link["bandwidth"] <= 0:
+                raise _bad(path, f"links.{name} needs {' and '.join(need)} (numbers, bandwidth > 0)")
+    for spec, v in cal.get("codec", {}).items():
+        if not isinstance(v, (int, float)) or v <= 0:
+            raise _bad(path, f"codec speed of {spec!r} must be a number > 0, got {v!r}")
+    for spec, v in cal.get("codec_fixed_s", {}).items():
+        if not isinstance(v, (int, float)) or v < 0:
+            raise _bad(path, f"codec_fixed_s of {spec!r} must be a number >= 0, got {v!r}")
+    return cal
+
+
+def from_env() -> Optional[Dict[str, Any]]:
+    """The calibration ``HVD_EXT_CALIBRATION`` names (read once per path), or None."""
+    path = os.environ.get(ENV, "").strip()
+    if not path:
+        return None
+    if path not in _CACHE:
+        _CACHE[path] = load(path)
+    return _CACHE[path]
+
+
+def node_model(cal: Optional[Dict[str, Any]]) -> Optional[NodeModel]:
+    """The intra / inter links of ``cal`` as a :class:`NodeModel`, if it has both."""
+    links = (cal or {}).get("links", {})
+    if "intra" not in links or "inter" not in links:
+        return None
+    return NodeModel(intra=LinkModel(alpha=links["intra"]["alpha"], bandwidth=links["intra"]["bandwidth"]),
+                     inter=LinkModel(alpha=links["inter"]["alpha"], bandwidth=links["inter"]["bandwidth"]))
+
+
+def flat_link(cal: Optional[Dict[str, Any]], ranks: int) -> Optional[Dict[str, float]]:
+    """``{"lat", "bandwidth"}`` of this world's allreduce, if ``cal`` measured a world of ``ranks``."""
+    if not cal or int(cal.get("ranks", -1)) != ranks or "flat" not in cal.get("links", {}):
+        return None
+    return dict(cal["links"]["flat"])

@@ -1,0 +1,77 @@
+"""``python -m hvd_ext.plan``: the planner's command line (see :mod:`hvd_ext.plan`).
+
+    python -m hvd_ext.plan --model resnet50 --cluster dgx-a100 --nodes 16
+    python -m hvd_ext.plan --params 120e6 --compute-ms 80 --cluster pcie-consumer-10gbe --plot step.png
+    horovodrun -np 8 python -m hvd_ext.plan --measure --out calib.json     # on the user's cluster
+    python -m hvd_ext.plan --model bert-large --calibration calib.json --nodes 32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import DEFAULT_METHODS, plan, presets
+from .report import plot_bandwidth_sweep
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m hvd_ext.plan", description=__doc__.split("\n")[0])
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--model", choices=list(presets.MODELS), help="a published model (gives the compute time)")
+    what.add_argument("--params", type=float, help="parameter count (e.g. 25.6e6)")
+    p.add_argument("--compute-ms", type=float, default=None, help="one step's forward + backward, ms")
+    p.add_argument("--cluster", default="p3-v100-25gbe", help=f"preset: {', '.join(presets.CLUSTERS)}")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--inter-gbps", type=float, default=None, help="inter-node bandwidth, Gbit/s")
+    p.add_argument("--intra-gbps", type=float, default=None, help="intra-node bandwidth, Gbit/s")
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help="hvd_ext specs to predict")
+    p.add_argument("--calibration", default=None, help="a file --measure wrote: its links and codec speeds")
+    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--plot", default=None, help="draw step time against inter-node bandwidth here (PNG)")
+    p.add_argument("--measure", action="store_true", help="under horovodrun/mpirun: measure links, codecs "
+                   "and (with --model-file) compute; write --out")
+    p.add_argument("--out", default="hvd_ext_calibration.json", help="where --measure writes")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.measure:
+        from .calibration import measure_to_file
+
+        measure_to_file(a.out, methods=a.methods)
+        return 0
+    from ..exchange.cost import LinkModel
+    from ..exchange.calibration import load
+
+    cal = load(a.calibration) if a.calibration else None
+    base = presets.CLUSTERS.get(a.cluster)
+    if base is None:
+        raise SystemExit(f"unknown --cluster {a.cluster!r}; accepted: {', '.join(presets.CLUSTERS)}")
+    inter = LinkModel(alpha=base.inter.alpha, bandwidth=a.inter_gbps * presets.GBIT) if a.inter_gbps else None
+    intra = LinkModel(alpha=base.intra.alpha, bandwidth=a.intra_gbps * presets.GBIT) if a.intra_gbps else None
+    model = a.model if a.model else int(a.params) if a.params else None
+    if model is None:
+        raise SystemExit("give --model NAME or --params COUNT")
+    p = plan(model, compute_s=None if a.compute_ms is None else a.compute_ms / 1e3, cluster=base, nodes=a.nodes,
+             gpus_per_node=a.gpus_per_node, intra=intra, inter=inter, methods=a.methods, calibration=cal)
+    i = p.inputs
+    print(f"{i['params'] / 1e6:.1f}M parameters, compute {i['compute_s'] * 1e3:.1f} ms/step on {i['device']}; "
+          f"{i['nodes']} node(s) x {i['gpus_per_node']} GPUs; intra {i['intra']['bandwidth'] * 8 / 1e9:.3g} Gbit/s, "
+          f"inter {i['inter']['bandwidth'] * 8 / 1e9:.3g} Gbit/s")
+    print(p.table())
+    print(f"auto would pick: {', '.join(f'{k} on {v} bucket(s)' for k, v in p.auto_pick.items())} "
+          "(assuming its accuracy guard admits the lossy candidates)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"inputs": i, "rows": p.records(), "auto_pick": p.auto_pick}, f, indent=1, default=str)
+    if a.plot:
+        plot_bandwidth_sweep(p, a.plot)
+        print(f"plot: {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""``python -m hvd_ext.plan --measure``: measure this cluster once, write the calibration file
+(:mod:`hvd_ext.exchange.calibration` gives its format) that the planner and ``compression="auto"``
+(``HVD_EXT_CALIBRATION=file``) both read.
+
+Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job's nodes. It measures:
+
+* **the flat link** -- a small and a large allreduce over all ranks (the fastest of a few tries),
+  fitted to ``lat + wire / bandwidth``, as ``auto``'s own probe does;
+* **the node links** -- with several nodes of several ranks, the intra- and inter-node probes of
+  :func:`hvd_ext.exchange.probe.measure_node_model`; on one node the intra link is the flat one;
+* **codec speed** -- every listed spec (and ``auto``'s candidates) compresses and decodes a small
+  (16k elements) and a ``codec_numel``-element gradient on this rank's device (CUDA when there is
+  one), CUDA events around the work: a fixed cost per pass and elements per second, the ranks' mean;
+* **compute** -- only when a ``step`` callable is given to :func:`measure` (the API): the median of
+  its timed calls.
+
+Every rank runs the same collectives in the same order; rank 0 writes the file.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import torch
+
+from ..auto import DEFAULT_CANDIDATES
+from ..compression.base import Continue, TensorInfo
+from ..exchange import calibration, cost
+from ..exchange.probe import best_time
+from ..ops.device import Timer
+from ..spec import compression_from_spec
+
+SMALL, LARGE = 256, 4 * 1024 * 1024  # floats per allreduce probe
+
+
+def time_codec(spec: str, numel: int, device, reps: int = 3) -> float:
+    """Seconds of one pass (encode or decode) of ``spec`` over ``numel`` elements on ``device``: the
+    fastest of ``reps`` round trips, halved."""
+    comp = compression_from_spec(spec)
+    g = torch.distributions.Laplace(0.0, 1e-3).sample((numel,)).to(device)
+    shape = torch.Size([64, numel // 64]) if numel % 64 == 0 else torch.Size([numel])
+    g = g.reshape(shape)
+    best = None
+    for step in range(reps + 1):  # the first round pays one-time allocations and compiles
+        info = TensorInfo(name="calibration", shape=shape, step=step, rank=0, size=2, scale=0.5)
+        timer = Timer(device)
+        timer.mark()
+        payload, ctx = comp.compress(g, info)
+        if comp.collective == "allreduce":
+            out = comp.decompress(payload, ctx, info)
+            while isinstance(out, Continue):
+                out = comp.decompress(out.payload, out.ctx, info)
+        else:
+            comp.aggregate([payload], ctx, info)
+        timer.mark()
+        comp.discard()
+        dt = timer.seconds()[0]
+        if step > 0:
+            best = dt if best is None else min(best, dt)
+    return best / 2.0
+
+
+def fit_codec(spec: str, numel: int, device) -> tuple:
+    """(fixed seconds per pass, elements per second) of ``spec``, from a small and a large tensor."""
+    small = 16 * 1024
+    t_small, t_large = time_codec(spec, small, device), time_codec(spec, numel, device)
+    speed = (numel - small) / max(t_large - t_small, 1e-9)
+    return max(t_small - small / speed, 0.0), speed
+
+
+def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
+            step: Optional[Callable[[], Any]] = None, steps: int = 10) -> Dict[str, Any]:
+    """The calibration of this job's world (collective over Horovod's global set, through
+    :class:`hvd_ext.exchange.core.Exchange` as every collective of hvd_ext)."""
+    import horovod.torch as hvd
+
+    from ..exchange.core import Exchange
+    from ..exchange import probe
+
+    if not hvd.is_initialized():
+        hvd.init()
+    ex = Exchange()
+    top = ex.transport
+    N = ex.size
+    device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def allreduce(t, name, op="sum"):
+        return top.wait(top.allreduce_async(t, name, op=op))
+
+    def mean(values):
+        return allreduce(torch.tensor(values, dtype=torch.float64), f"hvd_ext.calibrate.{len(values)}",
+                         "average").tolist()
+
+    small, large = torch.zeros(SMALL, device=device), torch.zeros(LARGE, device=device)
+    allreduce(small, "hvd_ext.calibrate.sync")
+    t_small = best_time(lambda: allreduce(small, "hvd_ext.calibrate.small"), 5)
+    t_large = best_time(lambda: allreduce(large, "hvd_ext.calibrate.large"), 3)
+    t_small, t_large = mean([t_small, t_large])
+    wire = cost.allreduce_wire(4.0 * (LARGE - SMALL), N)
+    links: Dict[str, Dict[str, float]] = {
+        "flat": {"lat": t_small, "bandwidth": wire / max(t_large - t_small, 1e-7)}}
+    topo = ex.topology()
+    nodes, local = (topo.cross_size, topo.local_size) if topo is not None else (1, N)
+    if topo is not None and topo.multi_node:
+        ex.node_exchanges()
+        m = probe.measure_node_model(ex, device)["model"]
+        links["intra"] = {"alpha": m.intra.alpha, "bandwidth": m.intra.bandwidth}
+        links["inter"] = {"alpha": m.inter.alpha, "bandwidth": m.inter.bandwidth}
+    elif N > 1:
+        messages = 2.0 * (N - 1)
+        links["intra"] = {"alpha": t_small / messages, "bandwidth": links["flat"]["bandwidth"]}
+    specs = [s for s in dict.fromkeys([*methods, *DEFAULT_CANDIDATES]) if s != "none"]
+    fits = mean([v for s in specs for v in fit_codec(s, codec_numel, device)])
+    codec = {s: fits[2 * i + 1] for i, s in enumerate(specs)}
+    fixed = {s: fits[2 * i] for i, s in enumerate(specs)}
+    out: Dict[str, Any] = {"version": calibration.VERSION, "ranks": N, "nodes": nodes, "local": local,
+                           "device": device.type, "links": links, "codec": codec, "codec_fixed_s": fixed,
+                           "date_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    if step is not None:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        out["compute_s"] = mean([statistics.median(times[1:] or times)])[0]
+    return out
+
+
+def measure_to_file(path: str, methods: Sequence[str] = (), **kw) -> Dict[str, Any]:
+    """:func:`measure`, written to ``path`` by rank 0 (and checked by reading it back)."""
+    import horovod.torch as hvd
+
+    cal = measure(methods, **kw)
+    if hvd.rank() == 0:
+        with open(path, "w") as f:
+            json.dump(cal, f, indent=1)
+        calibration.load(path)
+        print(f"hvd_ext.plan: calibration of {cal['ranks']} ranks ({cal['nodes']} node(s)) written to {path}")
+    return cal

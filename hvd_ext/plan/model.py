@@ -1,0 +1,250 @@
+"""The planner's step-time model: every method's predicted exchange and step time on one cluster.
+
+Per bucket (:func:`hvd_ext.pipeline.plan_buckets`, the layout the optimizer uses; Horovod's own
+rows fuse into its 64 MiB buffer) and method, the exchange costs
+
+    messages x alpha + bytes on the busiest link / bandwidth + codec seconds
+
+with the wire bytes and codec passes of :func:`hvd_ext.exchange.cost.route_wire_and_code`, the
+accounting ``compression="auto"`` predicts with. Across nodes the flat routes' node NIC carries
+the off-node part of its L ranks' traffic (a ring allreduce crosses it once per direction); the
+node-aware route (Horovod's hierarchical allreduce for dense rows) reduces densely inside the node
+and runs the codec's route on a 1/L shard across nodes, the NIC carrying the L shards
+(:mod:`hvd_ext.exchange.cost` derives both).
+
+Step time overlaps the exchange with backward as the optimizer's hooks do: forward is a third of
+``compute_s``, backward releases buckets in order in proportion to their size, the link takes one
+bucket at a time, and the step ends when both compute and the last exchange have. On a GPU the
+codec runs beside compute (its own stream); on a CPU it runs on the core that computes, so it
+delays the buckets behind it (``codec_on_compute``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ..compression.base import Compressor
+from ..exchange import cost
+from ..exchange.core import frame_size
+from ..exchange.routes import estimated_payload_bytes
+from ..exchange.routes.twophase import segments
+from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
+from ..spec import compression_from_spec
+
+HOROVOD_FUSION_BYTES = 64 * 1024 * 1024  # HOROVOD_FUSION_THRESHOLD's default
+HOROVOD_ROWS = ("horovod", "horovod fp16", "horovod hierarchical")
+FLAT_ROUTES = ("allreduce", "allgather", "twophase", "sparse_rs")
+
+
+@dataclass
+class Cluster:
+    """``nodes`` x ``local`` ranks; ``intra`` / ``inter`` links (``inter`` unused on one node);
+    ``codec``: elements per second of one encode or decode pass, per spec or codec family, on the
+    device, and ``codec_fixed`` its fixed seconds per pass (measured by a calibration);
+    ``codec_on_compute``: the codec shares the compute engine (a CPU)."""
+
+    nodes: int
+    local: int
+    intra: cost.LinkModel
+    inter: cost.LinkModel
+    codec: Dict[str, float] = field(default_factory=dict)
+    codec_on_compute: bool = False
+    codec_fixed: Dict[str, float] = field(default_factory=dict)  # seconds per pass whatever the size
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.local
+
+    def link(self) -> cost.LinkModel:
+        """The link a flat collective is bound by: the NIC across nodes, else the node's own link."""
+        return self.inter if self.nodes > 1 else self.intra
+
+
+@dataclass
+class BucketCost:
+    numel: int
+    wire: float          # bytes this rank sends
+    nic: float           # bytes the busiest link carries for it (a node's NIC across nodes)
+    latency: float       # seconds of per-message cost
+    code: float          # codec seconds
+    link_s: float        # latency + nic / bandwidth (+ the intra part of a node-aware exchange)
+
+    @property
+    def seconds(self) -> float:
+        return self.link_s + self.code
+
+
+def buckets_of(shapes: Sequence[tuple], bucket_bytes: int, first_bytes: Optional[int]) -> List[List[tuple]]:
+    """The tensor shapes of each bucket the optimizer (or Horovod's fusion buffer) forms over tensors
+    of ``shapes`` (registration order), in the order backward releases them."""
+    named = [(str(i), torch.empty(tuple(s), device="meta")) for i, s in enumerate(shapes)]
+    return [[tuple(shapes[i]) for i in b] for b in plan_buckets(named, bucket_bytes, first_bytes)]
+
+
+def numel_of(shapes: Sequence[tuple]) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+def family(spec: str) -> str:
+    return spec.split(":", 1)[0]
+
+
+def codec_seconds(spec: str, numel: int, cluster: Cluster) -> float:
+    """Seconds of one encode (or decode) pass over ``numel`` elements."""
+    speed = cluster.codec.get(spec, cluster.codec.get(family(spec)))
+    if speed is None or speed <= 0:
+        raise ValueError(f"plan: no codec speed for {spec!r}; give one (--measure, or the table in "
+                         "hvd_ext.plan.presets)")
+    fixed = cluster.codec_fixed.get(spec, cluster.codec_fixed.get(family(spec), 0.0))
+    return 0.0 if math.isinf(speed) else fixed + numel / speed
+
+
+def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: Cluster) -> BucketCost:
+    N, L = c.size, c.local
+    wire, code = cost.route_wire_and_code(kind, N, payload, enc, dec)
+    base = "twophase" if kind == "sparse_rs" else kind
+    messages = cost.per_rank(base, numel, payload, N)["messages"]
+    nic = wire if (c.nodes == 1 or kind == "allreduce") else L * wire * (N - L) / (N - 1)
+    link = c.link()
+    lat = messages * link.alpha
+    return BucketCost(numel, wire, nic, lat, code, lat + nic / link.bandwidth)
+
+
+def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: float, c: Cluster) -> BucketCost:
+    L, M = c.local, c.nodes
+    D = 4.0 * numel
+    intra_wire = 2.0 * (L - 1) / L * D
+    intra_lat = 2.0 * (L - 1) * c.intra.alpha
+    wire, code = cost.route_wire_and_code(inner, M, payload / L, enc / L, dec / L)
+    base = "twophase" if inner == "sparse_rs" else inner
+    lat = cost.per_rank(base, max(numel // L, 1), payload / L, M)["messages"] * c.inter.alpha
+    nic = L * wire
+    link_s = intra_lat + intra_wire / c.intra.bandwidth + lat + nic / c.inter.bandwidth
+    return BucketCost(numel, intra_wire + wire, nic, intra_lat + lat, code, link_s)
+
+
+@dataclass
+class Row:
+    """One method's prediction: ``label``, ``spec`` (None for Horovod's rows), ``route``, per step
+    ``wire`` bytes per rank, ``nic`` bytes on the busiest link, ``exchange_s`` (link + codec time of
+    all buckets) and ``step_s``."""
+
+    label: str
+    spec: Optional[str]
+    route: str
+    wire: float
+    nic: float
+    exchange_s: float
+    step_s: float
+    buckets: List[BucketCost] = field(repr=False, default_factory=list)
+    note: str = ""
+
+
+def step_seconds(bucket_costs: Sequence[BucketCost], compute_s: float, codec_on_compute: bool) -> float:
+    """The overlapped step (module doc): buckets leave backward in order, the link takes one at a time."""
+    forward, backward = compute_s / 3.0, 2.0 * compute_s / 3.0
+    total = sum(b.numel for b in bucket_costs) or 1
+    t, free = forward, 0.0
+    for b in bucket_costs:
+        t += backward * b.numel / total
+        if codec_on_compute:
+            t += b.code
+            busy = b.link_s
+        else:
+            busy = b.link_s + b.code
+        free = max(t, free) + busy
+    return max(t, free)
+
+
+def make_row(label: str, spec: Optional[str], route: str, costs: List[BucketCost], compute_s: float,
+             c: Cluster, note: str = "") -> Row:
+    return Row(label, spec, route, sum(b.wire for b in costs), sum(b.nic for b in costs),
+               sum(b.seconds for b in costs), step_seconds(costs, compute_s, c.codec_on_compute), costs, note)
+
+
+def horovod_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster) -> List[Row]:
+    """Horovod's fp32 and fp16 allreduce, and its hierarchical allreduce across nodes."""
+    buckets = [numel_of(b) for b in buckets_of(shapes, HOROVOD_FUSION_BYTES, None)]
+    rows = []
+    for label, width, spec in (("horovod", 4.0, None), ("horovod fp16", 2.0, "fp16")):
+        costs = []
+        for n in buckets:
+            enc = codec_seconds(spec, n, c) if spec else 0.0
+            costs.append(flat_cost("allreduce", n, width * n, enc, enc, c))
+        rows.append(make_row(label, None, "allreduce", costs, compute_s, c))
+    if c.nodes > 1 and c.local > 1:
+        costs = [node_aware_cost("allreduce", n, 4.0 * n, 0.0, 0.0, c) for n in buckets]
+        rows.append(make_row("horovod hierarchical", None, "node:allreduce", costs, compute_s, c,
+                             "HOROVOD_HIERARCHICAL_ALLREDUCE=1"))
+    return rows
+
+
+def codec_routes(comp: Compressor, c: Cluster) -> List[str]:
+    """The routes ``comp`` can take on this cluster: its flat ones, and the node-aware ones where
+    the exchange could carry it (:func:`hvd_ext.exchange.routes.node_aware_reason`'s static rules)."""
+    if comp.collective == "allreduce":
+        flat = ["allreduce"]
+    else:
+        flat = ["allgather", "sparse_rs" if comp.sparse else "twophase"]
+    if comp.route in ("allgather", "twophase"):
+        flat = [r for r in flat if (r == "allgather") == (comp.route == "allgather")]
+    node_ok = (c.nodes > 1 and c.local > 1 and comp.hierarchy != "flat"
+               and not (comp.collective == "allreduce" and not comp.shardable)
+               and (comp.feedback is None or comp.feedback.node_level))
+    return flat + (["node:" + r for r in flat] if node_ok else [])
+
+
+def tensor_payload(comp: Compressor, shape: tuple) -> float:
+    """One tensor's payload bytes: the codec's exact size where it has one (PowerSGD's from the
+    matrix shape), else :func:`hvd_ext.exchange.routes.estimated_payload_bytes`."""
+    n = math.prod(shape)
+    if hasattr(comp, "wire_bytes_for"):
+        return float(comp.wire_bytes_for(shape))
+    if comp.collective == "allreduce":
+        return float(comp.wire_bytes(n) or n * (comp.wire_dtype.itemsize if comp.wire_dtype is not None else 4))
+    return float(estimated_payload_bytes(comp, n))
+
+
+def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int) -> float:
+    """One rank's bytes for a bucket of tensors of ``shapes`` on ``route`` (over ``parts`` ranks):
+    an allreduce carries the payloads bare; the allgather one frame (:func:`hvd_ext.exchange.core.frame_size`:
+    flag, count and lengths ahead of the payloads); the two-phase route cuts the bucket into
+    ``parts`` shards coded per segment (:func:`hvd_ext.exchange.routes.twophase.segments`), one
+    frame each, every frame with as many slots as the fullest shard. Sparse payloads on the sparse reduce-scatter depend on where the selected entries
+    fall: estimated from the ratio."""
+    if comp.collective == "allreduce":
+        return float(sum(tensor_payload(comp, s) for s in shapes))
+    if route.endswith("twophase") and parts > 1 and comp.wire_bytes(1) is not None:
+        shards = segments([math.prod(s) for s in shapes], parts)
+        width = max(len(shard) for shard in shards)  # every frame has as many slots (empty ones: 0 bytes)
+        return float(sum(frame_size([int(comp.wire_bytes(b - a)) for _, a, b in shard] + [0] * (width - len(shard)))
+                         for shard in shards))
+    if route.endswith("allgather") and all(comp.wire_bytes(math.prod(s)) is not None for s in shapes):
+        return float(frame_size([int(comp.wire_bytes(math.prod(s))) for s in shapes]))
+    return float(sum(tensor_payload(comp, s) for s in shapes))
+
+
+def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Sequence[tuple]],
+                c: Cluster) -> List[BucketCost]:
+    costs = []
+    parts = c.nodes if route.startswith("node:") else c.size
+    for shapes in buckets:
+        n = numel_of(shapes)
+        payload = payload_bytes(comp, shapes, route, parts)
+        enc = dec = codec_seconds(spec, n, c)
+        if route.startswith("node:"):
+            costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c))
+        else:
+            costs.append(flat_cost(route, n, payload, enc, dec, c))
+    return costs
+
+
+def codec_rows(spec: str, shapes: Sequence[tuple], compute_s: float, c: Cluster, bucket_bytes: int) -> List[Row]:
+    """One row per route ``spec`` can take, on the optimizer's buckets."""
+    comp = compression_from_spec(spec)
+    buckets = buckets_of(shapes, bucket_bytes, min(bucket_bytes, FIRST_BUCKET_BYTES))
+    return [make_row(spec, spec, r, codec_costs(spec, comp, r, buckets, c), compute_s, c)
+            for r in codec_routes(comp, c)]

@@ -1,0 +1,27 @@
+"""``python -m hvd_ext.plan --measure`` under a real launcher: the calibration file it writes, read
+back by the planner's command line."""
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, _env
+
+
+def test_measure_writes_a_calibration_the_planner_reads(tmp_path):
+    out = tmp_path / "calib.json"
+    hvdrun = str(ROOT / ".venv" / "bin" / "horovodrun") if (ROOT / ".venv" / "bin" / "horovodrun").exists() \
+        else "horovodrun"
+    cmd = [hvdrun, "-np", "2", "--gloo", sys.executable, "-m", "hvd_ext.plan", "--measure",
+           "--methods", "qsgd:bits=8", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=str(ROOT))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    cal = json.loads(out.read_text())
+    assert cal["ranks"] == 2 and cal["nodes"] == 1 and cal["device"] == "cpu"
+    assert cal["links"]["flat"]["bandwidth"] > 1e6 and cal["links"]["flat"]["lat"] > 0
+    assert cal["codec"]["qsgd:bits=8"] > 1e6 and "fp16" in cal["codec"]  # auto's candidates too
+    p = subprocess.run([sys.executable, "-m", "hvd_ext.plan", "--params", "2e6", "--compute-ms", "5",
+                        "--calibration", str(out), "--methods", "qsgd:bits=8"],
+                       capture_output=True, text=True, timeout=120, env=_env(), cwd=str(ROOT))
+    assert p.returncode == 0, p.stderr
+    bw = cal["links"]["intra"]["bandwidth"] * 8 / 1e9
+    assert f"intra {bw:.3g} Gbit/s" in p.stdout and "| qsgd:bits=8 | twophase |" in p.stdout

@@ -1,0 +1,65 @@
+"""hvd_ext.plan.model: the planner's bytes against the real pipeline on simulated worlds, and its
+step-time rules."""
+import statistics
+
+import pytest
+import torch
+
+from hvd_ext.exchange.cost import LinkModel
+from hvd_ext.plan import plan
+from hvd_ext.plan.model import BucketCost, step_seconds
+from hvd_ext.testing.harness import run_pipeline
+
+SHAPES = [(64, 40), (64,), (128, 64, 3), (128,), (10, 512), (10,)]
+
+
+def grads(size, steps=2):
+    g = torch.Generator().manual_seed(0)
+    return [[{f"p{i}": torch.randn(s, generator=g) for i, s in enumerate(SHAPES)} for _ in range(size)]
+            for _ in range(steps)]
+
+
+def predicted_wire(spec, route, size):
+    p = plan(SHAPES, compute_s=0.0, cluster=None, nodes=1, gpus_per_node=size, device="cpu", methods=[spec],
+             intra=LinkModel(), breakeven_search=False)
+    return p.row(spec, route).wire
+
+
+# (spec, planner route, relative tolerance): payload sizes that follow from the shapes are exact
+# (a few bytes of the non-finite flag's allreduce aside); the two-phase owner frames are within 1%;
+# the sparse reduce-scatter's shard payloads depend on where the selected entries fall.
+CASES = [
+    ("fp16", "allreduce", 0.0),
+    ("powersgd:rank=2,warmup=0", "allreduce", 0.0),
+    ("qsgd:bits=8,exchange=allgather", "allgather", 0.0),
+    ("efsignsgd:exchange=allgather", "allgather", 0.0),
+    ("qsgd:bits=4,exchange=twophase", "twophase", 0.005),
+    ("efsignsgd:exchange=twophase", "twophase", 0.005),
+    ("topk:ratio=0.01,exchange=twophase", "sparse_rs", 0.25),
+]
+
+
+WORLDS = [(case, size) for case in CASES for size in (2, 3, 16)] + [(CASES[0], 64), (CASES[2], 64)]
+
+
+@pytest.mark.parametrize("case,size", WORLDS, ids=[f"{c[0]}-N{n}" for c, n in WORLDS])
+def test_wire_bytes_match_the_pipeline_on_a_simulated_world(case, size):
+    spec, route, tol = case
+    runs = run_pipeline(spec, grads(size), size)
+    assert {r.routes[-1] for r in runs} == {route}
+    measured = statistics.mean(r.wire[-1] for r in runs)  # the model is the ranks' average
+    assert predicted_wire(spec, route, size) == pytest.approx(measured, rel=tol, abs=16)
+
+
+def test_step_overlaps_exchange_with_backward():
+    # one bucket released at the end of backward: nothing to overlap
+    b = BucketCost(numel=100, wire=0, nic=0, latency=0, code=0, link_s=0.5)
+    assert step_seconds([b], 0.3, False) == pytest.approx(0.8)
+    # two buckets: the first one's exchange hides under the rest of backward
+    b1 = BucketCost(numel=50, wire=0, nic=0, latency=0, code=0, link_s=0.05)
+    b2 = BucketCost(numel=50, wire=0, nic=0, latency=0, code=0, link_s=0.05)
+    assert step_seconds([b1, b2], 0.3, False) == pytest.approx(0.35)
+    # on a CPU the codec runs on the compute core: it delays backward, not only the link
+    c1 = BucketCost(numel=50, wire=0, nic=0, latency=0, code=0.1, link_s=0.0)
+    assert step_seconds([c1, c1], 0.3, True) == pytest.approx(0.5)
+    assert step_seconds([c1, c1], 0.3, False) == pytest.approx(0.4)

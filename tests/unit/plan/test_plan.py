@@ -1,0 +1,140 @@
+"""hvd_ext.plan: the planner's answers, its inputs and its errors; the calibration file it shares
+with ``auto``; the command line."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hvd_ext.exchange import calibration
+from hvd_ext.exchange.cost import LinkModel
+from hvd_ext.plan import PAYS, plan, tensor_shapes
+from hvd_ext.plan.presets import CLUSTERS, GBIT, MODELS
+
+
+def test_compression_pays_on_a_slow_link_and_not_on_a_fast_one():
+    slow = plan(25_600_000, compute_s=0.1, cluster=None, nodes=1, gpus_per_node=8, device="a100",
+                intra=LinkModel(alpha=30e-6, bandwidth=1 * GBIT), breakeven_search=False)
+    fast = plan(25_600_000, compute_s=0.1, cluster=None, nodes=1, gpus_per_node=8, device="a100",
+                intra=LinkModel(alpha=5e-6, bandwidth=1000 * GBIT), breakeven_search=False)
+    q_slow = slow.speedup(slow.row("qsgd:bits=8", "twophase"))
+    q_fast = fast.speedup(fast.row("qsgd:bits=8", "twophase"))
+    assert q_slow > 2.0 > q_fast
+    assert fast.speedup(fast.row("qsgd:bits=8", "twophase"), "horovod fp16") < PAYS
+    # bytes follow the codec: 8-bit codes on two phases, about a quarter of the dense ring's
+    hv, q = slow.row("horovod"), slow.row("qsgd:bits=8", "twophase")
+    assert 0.24 < q.wire / hv.wire < 0.27
+    # auto picks a compressed codec on the slow link and the dense one on the fast link
+    assert not any(k.startswith("none") for k in slow.auto_pick), slow.auto_pick
+    assert all(k.startswith(("none", "fp16")) for k in fast.auto_pick), fast.auto_pick
+
+
+def test_breakeven_bandwidth_separates_paying_from_not():
+    p = plan("resnet50", cluster="p3-v100-25gbe", nodes=4)
+    be = p.inputs["breakeven"]["topk:ratio=0.01|node:sparse_rs"]
+    assert 0 < be < math.inf
+    from hvd_ext.plan import speedup_at, with_bandwidth
+    r = p.row("topk:ratio=0.01", "node:sparse_rs")
+    assert speedup_at(with_bandwidth(p.cluster, be / 2), p.shapes, p.compute_s, r, p.bucket_bytes) >= PAYS
+    assert speedup_at(with_bandwidth(p.cluster, be * 2), p.shapes, p.compute_s, r, p.bucket_bytes) < PAYS
+
+
+def test_node_aware_rows_only_across_nodes():
+    one = plan("bert-large", cluster="dgx-a100", nodes=1, breakeven_search=False)
+    many = plan("bert-large", cluster="dgx-a100", nodes=16, breakeven_search=False)
+    assert not any(r.route.startswith("node:") for r in one.rows)
+    assert {"horovod hierarchical", "qsgd:bits=8"} <= {r.label for r in many.rows if r.route.startswith("node:")}
+    # the node-aware route puts a local_size-th of the flat two-phase bytes on each node's NIC
+    flat, node = many.row("qsgd:bits=8", "twophase"), many.row("qsgd:bits=8", "node:twophase")
+    assert node.nic < flat.nic / 4
+
+
+def test_model_inputs_agree():
+    m = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    shapes = tensor_shapes(m)
+    assert shapes == [(64, 40), (64,), (10, 64), (10,)]
+    assert tensor_shapes(m.named_parameters()) == shapes
+    assert tensor_shapes([2560, 64]) == [(2560,), (64,)]
+    assert sum(math.prod(s) for s in tensor_shapes(10_000_001)) == 10_000_001
+    p = plan(m, compute_s=0.01, cluster="pcie-consumer-10gbe", breakeven_search=False)
+    assert p.inputs["params"] == sum(q.numel() for q in m.parameters())
+    assert p.row("horovod").wire == pytest.approx(2 * 7 / 8 * 4 * p.inputs["params"])
+
+
+def test_published_models_give_their_compute_time():
+    p = plan("resnet50", cluster="dgx-a100", breakeven_search=False)
+    rn = MODELS["resnet50"]
+    # 256 images per A100 step at its published ~2,600 images/s
+    assert 0.08 < p.compute_s < 0.12 and p.inputs["params"] == rn.params
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(model=0, compute_s=0.1), "parameter count >= 1"),
+    (dict(model="alexnet"), "resnet50"),
+    (dict(model=1000, compute_s=0.1, cluster="tpu-pod"), "dgx-a100"),
+    (dict(model=1000, compute_s=-1.0), "seconds >= 0"),
+    (dict(model=1000), "compute_s"),
+    (dict(model=1000, compute_s=0.1, nodes=0), ">= 1"),
+    (dict(model=1000, compute_s=0.1, methods=["zip"]), "unknown compressor"),
+])
+def test_bad_input_names_what_is_accepted(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        plan(**kwargs, breakeven_search=False)
+
+
+def write(tmp_path, obj, name="cal.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(obj) if not isinstance(obj, str) else obj)
+    return str(path)
+
+
+def test_calibration_file_feeds_plan_and_auto(tmp_path, monkeypatch):
+    cal = {"version": 1, "ranks": 4, "nodes": 1, "local": 4, "device": "cpu",
+           "links": {"flat": {"lat": 2e-4, "bandwidth": 3e7}, "intra": {"alpha": 3e-5, "bandwidth": 3e7}},
+           "codec": {"qsgd:bits=8": 5e8}, "compute_s": 0.02}
+    path = write(tmp_path, cal)
+    loaded = calibration.load(path)
+    p = plan(1_000_000, cluster=None, nodes=1, methods=["qsgd:bits=8"], calibration=loaded, breakeven_search=False)
+    assert p.compute_s == 0.02 and p.cluster.local == 4 and p.cluster.intra.bandwidth == 3e7
+    assert p.cluster.codec["qsgd:bits=8"] == 5e8
+    monkeypatch.setenv(calibration.ENV, path)
+    assert calibration.flat_link(calibration.from_env(), 4) == {"lat": 2e-4, "bandwidth": 3e7}
+    assert calibration.flat_link(calibration.from_env(), 8) is None  # another world size: probe instead
+    assert calibration.node_model(loaded) is None  # one node: no inter link
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{not json", "is not JSON"),
+    ({"version": 2}, "version must be 1"),
+    ({"version": 1, "links": {"inter": {"alpha": 1e-5}}}, "links.inter needs alpha and bandwidth"),
+    ({"version": 1, "codec": {"topk": 0}}, "codec speed of 'topk'"),
+])
+def test_bad_calibration_file_says_what_is_wrong(tmp_path, content, needle):
+    with pytest.raises(ValueError, match=needle):
+        calibration.load(write(tmp_path, content))
+    with pytest.raises(ValueError, match="cannot be read"):
+        calibration.load(str(tmp_path / "missing.json"))
+
+
+def test_command_line_writes_table_json_and_plot(tmp_path):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    r = subprocess.run([sys.executable, "-m", "hvd_ext.plan", "--model", "bert-large", "--cluster", "dgx-a100",
+                        "--nodes", "4", "--json", str(out), "--plot", str(png)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| horovod fp16 |" in r.stdout and "auto would pick" in r.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {"horovod", "horovod fp16", "horovod hierarchical", "auto"} <= {x["method"] for x in rows}
+    assert png.stat().st_size > 10_000
+    bad = subprocess.run([sys.executable, "-m", "hvd_ext.plan", "--params", "1e6", "--cluster", "nope"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "dgx-a100" in bad.stderr
+
+
+def test_presets_cite_their_sources():
+    for c in CLUSTERS.values():
+        assert len(c.source) > 40 and c.inter.bandwidth > 0
+    for m in MODELS.values():
+        assert len(m.source) > 40
