@@ -434,6 +434,9 @@ REPRODUCE = [
     "python benchmarks/quant_error.py         # quantization error at equal wire bits on real gradients",
     "python benchmarks/scale.py               # bytes per rank as N grows, routes",
     "python benchmarks/bench_kernels.py       # CUDA kernel GB/s (GPU); torch references on CPU",
+    "python benchmarks/plan_check.py --ranks 2 4 --rates 100mbit 300mbit 1gbit unshaped --nodes2x2 300mbit"
+    "   # the planner, predicted / measured",
+    "python benchmarks/plan_projections.py    # the planner to 1024 GPUs on the cited presets (docs/scale.md)",
     "python benchmarks/make_results.py        # this file",
 ]
 

@@ -2,17 +2,20 @@
 """The planner against the testbed: predicted / measured step time and bytes, per method, per world.
 
     python benchmarks/plan_check.py                               # N = 2, 4 at 300mbit and unshaped
-    python benchmarks/plan_check.py --ranks 2 4 8 --rates 100mbit 300mbit 1gbit unshaped
+    python benchmarks/plan_check.py --ranks 2 4 8 --rates 100mbit 300mbit 1gbit unshaped --nodes2x2 300mbit
 
-For each (N, rate) one job (``horovodrun --gloo`` in a shaped namespace, ``scripts/shaped-cluster``):
+For each (N, rate) one job (``horovodrun --gloo`` in a shaped namespace, ``scripts/shaped-cluster``;
+``--nodes2x2 RATE``: 2 nodes x 2 ranks of the multi-node testbed, inter-node links at RATE):
 
-1. ``hvd_ext.plan.calibration.measure`` calibrates the job: the flat link, codec speeds on this CPU
+1. ``hvd_ext.plan.calibration.measure`` calibrates the job: the flat link (across nodes: the intra
+   and inter links), codec speeds on this CPU
    with the ranks running at once (so ranks that share cores share them here too), and the
    compute time of the main job's CNN step without any exchange;
 2. the methods take turns, ``--rounds`` rounds of ``--steps`` steps (as ``overhead.py``), so this
    machine's drift hits them alike; measured: median ms/step, bytes sent per rank per step;
-3. ``hvd_ext.plan.plan`` predicts every method from that calibration; reported: predicted /
-   measured step time per method, its median and spread over the methods, and the bytes ratio.
+3. ``hvd_ext.plan.plan`` predicts every method from that calibration, on the route the job took;
+   reported: predicted / measured step time per method, its median and spread over the methods,
+   and the wire bytes ratio (the wire bytes hvd_ext's exchange counted; Horovod's: the ring's).
 
 Writes benchmarks/results/plan_check.{json,md}.
 """
@@ -107,11 +110,15 @@ def worker(args) -> None:
             sent = 2.0 * (N - 1) / N * dense * (0.5 if m.endswith("fp16") else 1.0)
         measured[m] = {"step_s": t, "bytes_sent": sent}
     specs = [m for m in METHODS if not m.startswith("horovod")]
-    p = plan(model, compute_s=cal["compute_s"], cluster=None, nodes=1, gpus_per_node=N, device="cpu",
-             methods=specs, calibration=cal, breakeven_search=False)
+    p = plan(model, compute_s=cal["compute_s"], cluster=None, nodes=cal["nodes"], gpus_per_node=cal["local"],
+             device="cpu", methods=specs, calibration=cal, breakeven_search=False)
     if hvd.rank() == 0:
         rows = []
         for m, (label, route) in METHODS.items():
+            taken = getattr(runs[m][1], "stats", None)
+            taken = taken.extra.get("routes") if taken is not None else None
+            if taken:  # the route the job took on its largest bucket (node-aware across nodes)
+                route = taken[-1] if isinstance(taken, list) else route
             pr = p.row(label, route)
             rows.append({"method": m, "route": route, "measured_step_ms": measured[m]["step_s"] * 1e3,
                          "predicted_step_ms": pr.step_s * 1e3, "step_ratio": pr.step_s / measured[m]["step_s"],
@@ -125,6 +132,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rates", nargs="+", default=["300mbit", "unshaped"])
+    ap.add_argument("--nodes2x2", nargs="*", default=[], help="also 2 nodes x 2 ranks at these inter-node rates")
     ap.add_argument("--channels", type=int, default=128)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
@@ -139,6 +147,7 @@ def main(argv=None):
     if args.worker:
         return worker(args)
     common.refuse_if_loaded(args)
+    machine = common.machine_info()  # with the load at the start, before our own ranks add to it
     load = common.loadavg()
     results = []
     for n in args.ranks:
@@ -159,7 +168,21 @@ def main(argv=None):
             ratios = [row["step_ratio"] for row in res["rows"]]
             print(f"np {n} {rate}: predicted/measured step median {statistics.median(ratios):.2f} "
                   f"[{min(ratios):.2f}, {max(ratios):.2f}]")
-    doc = {"machine": common.machine_info(), "loadavg_start": load, "results": results,
+    for rate in args.nodes2x2:  # 2 nodes x 2 ranks, the inter-node links shaped to ``rate``
+        out = common.RESULTS / "plan_check_logs" / f"2x2_{rate}.json"
+        cmd = ([str(common.SHAPED), "--nodes", "2", "--ranks-per-node", "2", "--inter", rate, "--"]
+               + ["horovodrun", "-np", "4", "-H", "node1:2,node2:2", "--gloo", "--start-timeout", "120"]
+               + [common.PY, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
+                  "--channels", str(args.channels), "--batch", str(args.batch), "--steps", str(args.steps),
+                  "--rounds", str(args.rounds), "--warmup", str(args.warmup)])
+        r = common.run_job(cmd, out.with_suffix(".log"), timeout=900)
+        if r["rc"] != 0 or not out.exists():
+            print(f"2x2 {rate}: failed (rc {r['rc']}); see {out.with_suffix('.log')}\n{r['tail']}")
+            continue
+        res = json.loads(out.read_text())
+        res.update(rate=f"2 nodes x 2, inter {rate}", loadavg_end=common.loadavg())
+        results.append(res)
+    doc = {"machine": machine, "loadavg_start": load, "results": results,
            "command": "python benchmarks/plan_check.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     common.write_json(common.RESULTS / "plan_check.json", doc)
     (common.RESULTS / "plan_check.md").write_text(render(doc))
@@ -178,6 +201,15 @@ def render(doc) -> str:
             lines.append(f"| {res['ranks']} | {res['rate']} | `{row['method']}` | {row['route']} | "
                          f"{row['measured_step_ms']:.2f} | {row['predicted_step_ms']:.2f} | "
                          f"{row['step_ratio']:.2f} | {row['bytes_ratio']:.2f} |")
+    lines += ["", "Per world, step time predicted / measured over the five methods, and whether the "
+              "planner ranks the fastest method first:", "",
+              "| ranks | link | median | min | max | fastest measured | fastest predicted |", "|---|---|---|---|---|---|---|"]
+    for res in doc["results"]:
+        r = [row["step_ratio"] for row in res["rows"]]
+        fm = min(res["rows"], key=lambda row: row["measured_step_ms"])["method"]
+        fp = min(res["rows"], key=lambda row: row["predicted_step_ms"])["method"]
+        lines.append(f"| {res['ranks']} | {res['rate']} | {statistics.median(r):.2f} | {min(r):.2f} | {max(r):.2f} "
+                     f"| `{fm}` | `{fp}` |")
     allr = [row["step_ratio"] for res in doc["results"] for row in res["rows"]]
     if allr:
         lines += ["", f"Step time, predicted / measured, all rows: median {statistics.median(allr):.2f}, "

@@ -5,7 +5,8 @@ predict with the same numbers.
 Format (JSON)::
 
     {"version": 1, "ranks": N, "nodes": M, "local": L, "device": "cuda" | "cpu",
-     "links": {"flat":  {"lat": s per allreduce, "bandwidth": B/s},     # this world's allreduce
+     "links": {"flat":  {"lat": s per allreduce, "bandwidth": B/s,     # this world's allreduce
+                         "lat_by_kind": {"allreduce": s, "allgather": s, "alltoall": s}},  # optional
                "intra": {"alpha": s per message, "bandwidth": B/s},     # inside a node
                "inter": {"alpha": ..., "bandwidth": ...}},              # between nodes (M > 1)
      "codec": {"<spec>": elements per second of one encode or decode pass, ...},
@@ -26,6 +27,7 @@ from typing import Any, Dict, Optional
 from .cost import LinkModel, NodeModel
 
 ENV = "HVD_EXT_CALIBRATION"
+COLLECTIVES = ("allreduce", "allgather", "alltoall")
 VERSION = 1
 _CACHE: Dict[str, Dict[str, Any]] = {}
 
@@ -53,6 +55,10 @@ def load(path: str) -> Dict[str, Any]:
             if not isinstance(link, dict) or any(not isinstance(link.get(k), (int, float)) or link[k] < 0
                                                  for k in need) or link["bandwidth"] <= 0:
                 raise _bad(path, f"links.{name} needs {' and '.join(need)} (numbers, bandwidth > 0)")
+    kinds = links.get("flat", {}).get("lat_by_kind", {})
+    if not isinstance(kinds, dict) or any(k not in COLLECTIVES or not isinstance(v, (int, float)) or v < 0
+                                          for k, v in kinds.items()):
+        raise _bad(path, f"links.flat.lat_by_kind maps {', '.join(COLLECTIVES)} to seconds >= 0")
     for spec, v in cal.get("codec", {}).items():
         if not isinstance(v, (int, float)) or v <= 0:
             raise _bad(path, f"codec speed of {spec!r} must be a number > 0, got {v!r}")
@@ -85,4 +91,5 @@ def flat_link(cal: Optional[Dict[str, Any]], ranks: int) -> Optional[Dict[str, f
     """``{"lat", "bandwidth"}`` of this world's allreduce, if ``cal`` measured a world of ``ranks``."""
     if not cal or int(cal.get("ranks", -1)) != ranks or "flat" not in cal.get("links", {}):
         return None
-    return dict(cal["links"]["flat"])
+    flat = cal["links"]["flat"]
+    return {"lat": flat["lat"], "bandwidth": flat["bandwidth"]}

@@ -203,7 +203,10 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
     codec = {fam: 3.0 * presets.codec_speed(fam, device) for fam in presets.CPU_CODEC_ELEMS_PER_S}
     codec.update((calibration or {}).get("codec", {}))
     fixed = dict((calibration or {}).get("codec_fixed_s", {}))
-    return Cluster(nodes, local, intra, inter, codec, codec_on_compute=device == "cpu", codec_fixed=fixed), device
+    same_world = (nodes, local) == ((calibration or {}).get("nodes"), (calibration or {}).get("local"))
+    lat = dict(links.get("flat", {}).get("lat_by_kind", {})) if same_world else {}  # measured for this world only
+    return Cluster(nodes, local, intra, inter, codec, codec_on_compute=device == "cpu", codec_fixed=fixed,
+                   collective_lat=lat), device
 
 
 def predict_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster, methods: Iterable[str],

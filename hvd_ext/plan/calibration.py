@@ -5,7 +5,9 @@
 Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job's nodes. It measures:
 
 * **the flat link** -- a small and a large allreduce over all ranks (the fastest of a few tries),
-  fitted to ``lat + wire / bandwidth``, as ``auto``'s own probe does;
+  fitted to ``lat + wire / bandwidth``, as ``auto``'s own probe does; and the fixed cost of each
+  kind of collective the routes use (a small allreduce, allgather and alltoall: under a
+  launcher whose alltoall is slow, the two-phase routes pay it on every bucket);
 * **the node links** -- with several nodes of several ranks, the intra- and inter-node probes of
   :func:`hvd_ext.exchange.probe.measure_node_model`; on one node the intra link is the flat one;
 * **codec speed** -- every listed spec (and ``auto``'s candidates) compresses and decodes a small
@@ -97,10 +99,14 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     allreduce(small, "hvd_ext.calibrate.sync")
     t_small = best_time(lambda: allreduce(small, "hvd_ext.calibrate.small"), 5)
     t_large = best_time(lambda: allreduce(large, "hvd_ext.calibrate.large"), 3)
-    t_small, t_large = mean([t_small, t_large])
+    t_gather = best_time(lambda: top.wait(top.allgather_async(small, "hvd_ext.calibrate.ag")), 5)
+    t_a2a = best_time(lambda: top.wait(top.alltoall_async(small, [SMALL // N] * (N - 1) + [SMALL - (N - 1) * (SMALL // N)],
+                                                          "hvd_ext.calibrate.a2a")), 5)
+    t_small, t_large, t_gather, t_a2a = mean([t_small, t_large, t_gather, t_a2a])
     wire = cost.allreduce_wire(4.0 * (LARGE - SMALL), N)
-    links: Dict[str, Dict[str, float]] = {
-        "flat": {"lat": t_small, "bandwidth": wire / max(t_large - t_small, 1e-7)}}
+    links: Dict[str, Dict[str, Any]] = {
+        "flat": {"lat": t_small, "bandwidth": wire / max(t_large - t_small, 1e-7),
+                 "lat_by_kind": {"allreduce": t_small, "allgather": t_gather, "alltoall": t_a2a}}}
     topo = ex.topology()
     nodes, local = (topo.cross_size, topo.local_size) if topo is not None else (1, N)
     if topo is not None and topo.multi_node:

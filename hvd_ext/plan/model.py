@@ -37,13 +37,17 @@ from ..spec import compression_from_spec
 HOROVOD_FUSION_BYTES = 64 * 1024 * 1024  # HOROVOD_FUSION_THRESHOLD's default
 HOROVOD_ROWS = ("horovod", "horovod fp16", "horovod hierarchical")
 FLAT_ROUTES = ("allreduce", "allgather", "twophase", "sparse_rs")
+ROUTE_COLLECTIVES = {"allreduce": ("allreduce",), "allgather": ("allgather",),
+                     "twophase": ("alltoall", "allgather"), "sparse_rs": ("alltoall", "allgather")}
 
 
 @dataclass
 class Cluster:
     """``nodes`` x ``local`` ranks; ``intra`` / ``inter`` links (``inter`` unused on one node);
     ``codec``: elements per second of one encode or decode pass, per spec or codec family, on the
-    device, and ``codec_fixed`` its fixed seconds per pass (measured by a calibration);
+    device, and ``codec_fixed`` its fixed seconds per pass; ``collective_lat``: the fixed seconds of
+    one allreduce, allgather and alltoall over the whole world (both measured by a calibration: they
+    replace messages x alpha on the flat routes);
     ``codec_on_compute``: the codec shares the compute engine (a CPU)."""
 
     nodes: int
@@ -53,6 +57,7 @@ class Cluster:
     codec: Dict[str, float] = field(default_factory=dict)
     codec_on_compute: bool = False
     codec_fixed: Dict[str, float] = field(default_factory=dict)  # seconds per pass whatever the size
+    collective_lat: Dict[str, float] = field(default_factory=dict)  # measured seconds per collective, flat
 
     @property
     def size(self) -> int:
@@ -110,6 +115,8 @@ def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: 
     nic = wire if (c.nodes == 1 or kind == "allreduce") else L * wire * (N - L) / (N - 1)
     link = c.link()
     lat = messages * link.alpha
+    if c.collective_lat:
+        lat = sum(c.collective_lat[k] for k in ROUTE_COLLECTIVES[kind])
     return BucketCost(numel, wire, nic, lat, code, lat + nic / link.bandwidth)
 
 

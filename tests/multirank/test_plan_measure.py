@@ -18,6 +18,7 @@ def test_measure_writes_a_calibration_the_planner_reads(tmp_path):
     cal = json.loads(out.read_text())
     assert cal["ranks"] == 2 and cal["nodes"] == 1 and cal["device"] == "cpu"
     assert cal["links"]["flat"]["bandwidth"] > 1e6 and cal["links"]["flat"]["lat"] > 0
+    assert set(cal["links"]["flat"]["lat_by_kind"]) == {"allreduce", "allgather", "alltoall"}
     assert cal["codec"]["qsgd:bits=8"] > 1e6 and "fp16" in cal["codec"]  # auto's candidates too
     p = subprocess.run([sys.executable, "-m", "hvd_ext.plan", "--params", "2e6", "--compute-ms", "5",
                         "--calibration", str(out), "--methods", "qsgd:bits=8"],

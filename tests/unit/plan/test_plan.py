@@ -110,6 +110,8 @@ def test_calibration_file_feeds_plan_and_auto(tmp_path, monkeypatch):
     ({"version": 2}, "version must be 1"),
     ({"version": 1, "links": {"inter": {"alpha": 1e-5}}}, "links.inter needs alpha and bandwidth"),
     ({"version": 1, "codec": {"topk": 0}}, "codec speed of 'topk'"),
+    ({"version": 1, "links": {"flat": {"lat": 1e-4, "bandwidth": 1e8, "lat_by_kind": {"bcast": 1e-4}}}},
+     "lat_by_kind maps allreduce, allgather, alltoall"),
 ])
 def test_bad_calibration_file_says_what_is_wrong(tmp_path, content, needle):
     with pytest.raises(ValueError, match=needle):
