@@ -167,12 +167,13 @@ def main(argv):
                 print(f"RUN {kind:5s} {spec:40s} ep={r['epochs']:2d} acc={100 * r['test_acc']:.2f} "
                       f"hist={[round(100 * a, 1) for a in r['acc_history']]} {r['seconds']}s "
                       + (f"warn={r['warnings']}" if r["warnings"] else ""), flush=True)
-                merged = [o for o in old["runs"] if (o["optimizer"], o["spec"], o["epochs"]) !=
-                          (r["optimizer"], r["spec"], r["epochs"])] + [r]
+                r["channels"] = args.channels  # the model's width: part of a run's key
+                merged = [o for o in old["runs"] if (o["optimizer"], o["spec"], o["epochs"], o.get("channels", 64)) !=
+                          (r["optimizer"], r["spec"], r["epochs"], r["channels"])] + [r]
                 old = {"runs": merged, "setup": {
-                    "model": "hvd_ext.examples.mnist1d.MNIST1DCNN(64)", "ranks": hvd.size(),
+                    "model": f"hvd_ext.examples.mnist1d.MNIST1DCNN({args.channels})", "ranks": hvd.size(),
                     "batch_per_rank": args.batch, "lr": LR, "schedule": "constant", "weight_decay": 0,
-                    "sgd_momentum": 0.9, "seed": args.seed}}
+                    "sgd_momentum": args.sgd_momentum, "seed": args.seed}}
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(old, indent=1))
     if hvd.rank() == 0:

@@ -150,38 +150,33 @@ def main(argv=None):
     machine = common.machine_info()  # with the load at the start, before our own ranks add to it
     load = common.loadavg()
     results = []
-    for n in args.ranks:
-        for rate in args.rates:
-            out = common.RESULTS / "plan_check_logs" / f"np{n}_{rate}.json"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            cmd = (common.shaped_prefix(None if rate == "unshaped" else rate) + common.hvd_launcher(n)
-                   + [common.PY, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
-                      "--channels", str(args.channels), "--batch", str(args.batch), "--steps", str(args.steps),
-                      "--rounds", str(args.rounds), "--warmup", str(args.warmup)])
-            r = common.run_job(cmd, out.with_suffix(".log"), timeout=900)
-            if r["rc"] != 0 or not out.exists():
-                print(f"np {n} {rate}: failed (rc {r['rc']}); see {out.with_suffix('.log')}\n{r['tail']}")
-                continue
-            res = json.loads(out.read_text())
-            res.update(rate=rate, loadavg_end=common.loadavg())
-            results.append(res)
-            ratios = [row["step_ratio"] for row in res["rows"]]
-            print(f"np {n} {rate}: predicted/measured step median {statistics.median(ratios):.2f} "
-                  f"[{min(ratios):.2f}, {max(ratios):.2f}]")
-    for rate in args.nodes2x2:  # 2 nodes x 2 ranks, the inter-node links shaped to ``rate``
-        out = common.RESULTS / "plan_check_logs" / f"2x2_{rate}.json"
-        cmd = ([str(common.SHAPED), "--nodes", "2", "--ranks-per-node", "2", "--inter", rate, "--"]
-               + ["horovodrun", "-np", "4", "-H", "node1:2,node2:2", "--gloo", "--start-timeout", "120"]
-               + [common.PY, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
-                  "--channels", str(args.channels), "--batch", str(args.batch), "--steps", str(args.steps),
-                  "--rounds", str(args.rounds), "--warmup", str(args.warmup)])
+
+    def world(label: str, link: str, stem: str, launch: list):
+        """One job: ``launch`` (testbed + launcher prefix) runs the worker; its result joins ``results``."""
+        out = common.RESULTS / "plan_check_logs" / f"{stem}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = launch + [common.PY, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
+                        "--channels", str(args.channels), "--batch", str(args.batch), "--steps", str(args.steps),
+                        "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
         r = common.run_job(cmd, out.with_suffix(".log"), timeout=900)
         if r["rc"] != 0 or not out.exists():
-            print(f"2x2 {rate}: failed (rc {r['rc']}); see {out.with_suffix('.log')}\n{r['tail']}")
-            continue
+            print(f"{label}: failed (rc {r['rc']}); see {out.with_suffix('.log')}\n{r['tail']}")
+            return
         res = json.loads(out.read_text())
-        res.update(rate=f"2 nodes x 2, inter {rate}", loadavg_end=common.loadavg())
+        res.update(rate=link, loadavg_end=common.loadavg())
         results.append(res)
+        ratios = [row["step_ratio"] for row in res["rows"]]
+        print(f"{label}: predicted/measured step median {statistics.median(ratios):.2f} "
+              f"[{min(ratios):.2f}, {max(ratios):.2f}]")
+
+    for n in args.ranks:
+        for rate in args.rates:
+            world(f"np {n} {rate}", rate, f"np{n}_{rate}",
+                  common.shaped_prefix(None if rate == "unshaped" else rate) + common.hvd_launcher(n))
+    for rate in args.nodes2x2:  # 2 nodes x 2 ranks, the inter-node links shaped to ``rate``
+        world(f"2x2 {rate}", f"2 nodes x 2, inter {rate}", f"2x2_{rate}",
+              [str(common.SHAPED), "--nodes", "2", "--ranks-per-node", "2", "--inter", rate, "--",
+               "horovodrun", "-np", "4", "-H", "node1:2,node2:2", "--gloo", "--start-timeout", "120"])
     doc = {"machine": machine, "loadavg_start": load, "results": results,
            "command": "python benchmarks/plan_check.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     common.write_json(common.RESULTS / "plan_check.json", doc)

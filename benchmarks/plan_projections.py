@@ -17,7 +17,6 @@ guard needed, no cluster involved.
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path

@@ -9,6 +9,7 @@ from .feedback import Feedback  # noqa: F401
 from .optimizer import DistributedOptimizer  # noqa: F401
 from .sync import (AdaptiveSync, EventTriggeredSGD, LocalSGD, ParameterServer,  # noqa: F401
                    sync_from_spec)
+from .broadcast import broadcast_optimizer_state, broadcast_parameters  # noqa: F401  (every dtype, bf16 too)
 from .plan import plan  # noqa: F401  (python -m hvd_ext.plan: will compression pay on my cluster?)
 
 __version__ = "0.1.0"

@@ -72,24 +72,42 @@ def launch(script, *args, np=2, launcher="gloo", timeout=180, expect=None):
     else:
         raise ValueError(f"launcher must be gloo, mpi or mpirun, got {launcher!r}")
     with tempfile.TemporaryDirectory(prefix="hvdx-results-") as results_dir:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=_env(results_dir), cwd=str(ROOT), start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
-            stdout, stderr = proc.communicate()
-            pytest.fail(f"{' '.join(cmd)} hung for {timeout}s (deadlock?)\n{(stdout + stderr)[-4000:]}")
+        rc, stdout, stderr = run_job(cmd, timeout, " ".join(cmd), _env(results_dir))
         out = stdout + stderr
-        if proc.returncode != 0:
-            pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{out[-6000:]}")
-        results = [json.loads(line) for f in sorted(Path(results_dir).glob("*.jsonl"))
-                   for line in f.read_text().splitlines() if line.strip()]
+        if rc != 0:
+            pytest.fail(f"{' '.join(cmd)} exited {rc}\n{out[-6000:]}")
+        results = read_results(results_dir)
     results.sort(key=lambda r: r.get("rank", 0))
     expect = np if expect is None else expect
     if len(results) != expect:
         pytest.fail(f"expected {expect} RESULTs, got {len(results)}\n{out[-6000:]}")
     return results
+
+
+def run_job(cmd, timeout, what, env, merge_stderr=False):
+    """Run a launcher command in its own session: on a hang the launcher and every rank it started are
+    killed and the test fails after ``timeout`` seconds; a rank left behind when it ends is killed too.
+    Returns (returncode, stdout, stderr); with ``merge_stderr`` stderr is in stdout."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                            text=True, env=env, cwd=str(ROOT), start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{what} hung for {timeout}s (deadlock?)\n{(stdout + (stderr or ''))[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, stdout, stderr or ""
+
+
+def read_results(results_dir):
+    """The RESULT objects the workers wrote to ``results_dir`` (workers/common.emit), in file order."""
+    return [json.loads(line) for f in sorted(Path(results_dir).glob("*.jsonl"))
+            for line in f.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture

@@ -56,7 +56,8 @@ from ..ops.device import expect, nonfinite as nonfinite_flag, on_host, read, upl
 from ..ops.cpu_kernels import empty, sum_float32
 from . import calibration, cost
 from . import probe
-from .transport import _NODE_GROUPS, HorovodTransport, NodeGroupsUnavailable, Transport, offsets
+from .transport import (_NODE_GROUPS, BROADCAST_DTYPES, HorovodTransport, NodeGroupsUnavailable, Transport,
+                        offsets)
 
 _HDR = 8  # flags + count
 
@@ -634,6 +635,24 @@ class Exchange:
         self.stats.wait_s += time.perf_counter() - t0
         self.stats.collectives += 1
         return out
+
+    def broadcast_(self, tensors: Sequence[torch.Tensor], root: int, name: str) -> int:
+        """In place, every tensor of ``tensors`` takes rank ``root``'s values (all started, then
+        waited for). Dtypes Horovod cannot broadcast (bfloat16, bool, complex, float8) travel as
+        their bytes, so any tensor arrives bit-exact. Returns the payload bytes."""
+        handles, nbytes = [], 0
+        for i, t in enumerate(tensors):
+            if not t.is_contiguous():
+                raise ValueError(f"broadcast: tensor {i} of {name!r} is not contiguous (in-place broadcast "
+                                 "needs contiguous storage; accepted: contiguous tensors, e.g. t.contiguous())")
+            wire = t if t.dtype in BROADCAST_DTYPES else t.reshape(-1).view(torch.uint8)
+            handles.append(self.transport.broadcast_async(wire, root, f"{name}.{i}"))
+            nb = t.numel() * t.element_size()
+            nbytes += nb
+            self._count("broadcast", nb, nb, float(nb))
+        for h in handles:
+            self._wait(h)
+        return nbytes
 
     def broadcast_object(self, obj: Any, root: int, name: str) -> Any:
         t0 = time.perf_counter()

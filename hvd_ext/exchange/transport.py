@@ -107,6 +107,11 @@ class Transport:
         ``(received, received_splits)`` with the pieces in source-rank order."""
         raise NotImplementedError
 
+    def broadcast_async(self, tensor: torch.Tensor, root: int, name: str) -> Any:
+        """In-place: ``tensor`` takes rank ``root``'s values; ``wait`` returns it. Dtypes: those
+        Horovod broadcasts (:data:`BROADCAST_DTYPES`); callers send others as their bytes."""
+        raise NotImplementedError
+
     def wait(self, handle: Any):
         raise NotImplementedError
 
@@ -207,6 +212,9 @@ class HorovodTransport(Transport):
         sp = torch.tensor([int(s) for s in splits], dtype=torch.int32)
         return ("a2a", self.hvd.alltoall_async(tensor, splits=sp, name=name, process_set=self.process_set))
 
+    def broadcast_async(self, tensor, root, name):
+        return ("bc", self.hvd.broadcast_async_(tensor, root_rank=root, name=name, process_set=self.process_set))
+
     def wait(self, handle):
         kind, h = handle
         out = self.hvd.synchronize(h)
@@ -236,6 +244,10 @@ class HorovodTransport(Transport):
     def broadcast_object(self, obj, root, name):
         return self.hvd.broadcast_object(obj, root_rank=root, name=name, process_set=self.process_set)
 
+
+# what Horovod's broadcast carries (no bfloat16, bool, complex or float8: those travel as their bytes)
+BROADCAST_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                    torch.float32, torch.float64)
 
 _NODE_GROUPS: Dict[int, Tuple[Transport, Transport]] = {}
 NODE_GROUP_MODES = ("alltoall", "process_sets")

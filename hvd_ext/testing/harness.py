@@ -50,7 +50,6 @@ def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *,
                  warmup: int = 0, node_model=None, overlap: bool = False, hooks: bool = False,
                  rank_context: Optional[Callable[[int], Any]] = None,
                  on_phase: Optional[Callable[[int, str], None]] = None) -> List[RankRun]:
-    names = list(grads[0][0])
     world = SimulatedWorld(size, timeout=timeout, ranks_per_node=ranks_per_node, process_sets=process_sets,
                            groups=groups)
 
@@ -65,34 +64,50 @@ def run_pipeline(spec, grads: List[List[Dict[str, torch.Tensor]]], size: int, *,
             on_phase(rank, name)
 
     def run_rank(rank, transport):
-        comp = compression_from_spec(spec) if isinstance(spec, str) else spec(rank)
-        ex = Exchange(op=op, transport=transport)
-        if node_model is not None:  # the links another run measured (a simulated world measures nothing)
-            ex.use_node_model(node_model)
-        named = []
-        for n in names:
-            base = params[n] if params is not None else torch.zeros_like(grads[0][0][n])
-            named.append((n, torch.nn.Parameter(base.detach().clone())))
-        pipe = GradientPipeline(named, comp, comp.feedback, ex, bucket_bytes, route, warmup=warmup,
-                                overlap=overlap)
-        run = RankRun(rank, routes=pipe.routes, pipeline=pipe, exchange=ex)
-        for step, per_rank in enumerate(grads):
-            if before_step is not None:
-                before_step(rank, step, pipe)
-            for n, p in named:
-                p.grad = per_rank[rank][n].detach().clone()
-            r0, w0 = ex.stats.bytes_received, ex.stats.wire_bytes
-            if overlap or hooks:
-                phase(rank, "hook")
-                for _, p in reversed(named):
-                    pipe.mark_ready(p)
-                phase(rank, "step")
-            pipe.flush()
-            run.skipped.append(pipe.finish())
-            run.results.append({n: p.grad.detach().clone() for n, p in named})
-            run.received.append(ex.stats.bytes_received - r0)
-            run.wire.append(ex.stats.wire_bytes - w0)
-        pipe.close()
-        return run
+        return run_on(transport, spec, grads, rank, params=params, bucket_bytes=bucket_bytes, op=op, route=route,
+                      before_step=before_step, warmup=warmup, node_model=node_model, overlap=overlap,
+                      hooks=hooks, phase=phase)
 
     return world.run(body)
+
+
+def run_on(transport, spec, grads: List[List[Dict[str, torch.Tensor]]], rank: int, *,
+           params: Optional[Dict[str, torch.Tensor]] = None, bucket_bytes: int = 25 * 1024 * 1024,
+           op: str = "average", route: Optional[str] = None,
+           before_step: Optional[Callable[[int, int, Any], None]] = None, warmup: int = 0, node_model=None,
+           overlap: bool = False, hooks: bool = False,
+           phase: Optional[Callable[[int, str], None]] = None) -> RankRun:
+    """One rank of :func:`run_pipeline` over any ``transport`` (a simulated rank, or a real one such as
+    :class:`hvd_ext.exchange.torch_transport.TorchDistTransport`): the same steps, the same record."""
+    names = list(grads[0][0])
+    comp = compression_from_spec(spec) if isinstance(spec, str) else spec(rank)
+    ex = Exchange(op=op, transport=transport)
+    if node_model is not None:  # the links another run measured (a simulated world measures nothing)
+        ex.use_node_model(node_model)
+    named = []
+    for n in names:
+        base = params[n] if params is not None else torch.zeros_like(grads[0][0][n])
+        named.append((n, torch.nn.Parameter(base.detach().clone())))
+    pipe = GradientPipeline(named, comp, comp.feedback, ex, bucket_bytes, route, warmup=warmup,
+                            overlap=overlap)
+    run = RankRun(rank, routes=pipe.routes, pipeline=pipe, exchange=ex)
+    for step, per_rank in enumerate(grads):
+        if before_step is not None:
+            before_step(rank, step, pipe)
+        for n, p in named:
+            p.grad = per_rank[rank][n].detach().clone()
+        r0, w0 = ex.stats.bytes_received, ex.stats.wire_bytes
+        if overlap or hooks:
+            if phase is not None:
+                phase(rank, "hook")
+            for _, p in reversed(named):
+                pipe.mark_ready(p)
+            if phase is not None:
+                phase(rank, "step")
+        pipe.flush()
+        run.skipped.append(pipe.finish())
+        run.results.append({n: p.grad.detach().clone() for n, p in named})
+        run.received.append(ex.stats.bytes_received - r0)
+        run.wire.append(ex.stats.wire_bytes - w0)
+    pipe.close()
+    return run

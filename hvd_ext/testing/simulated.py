@@ -180,8 +180,15 @@ class SimulatedTransport(Transport):
                              f"over {self.world.size} ranks")
         return ("a2a", self._post("a2a", name, (tensor.detach().clone(), splits)))
 
+    def broadcast_async(self, tensor, root, name):
+        return ("bc", tensor, root, self._post("bc", name, tensor.detach().clone()))
+
     def wait(self, handle):
         kind = handle[0]
+        if kind == "bc":
+            _, tensor, root, key = handle
+            tensor.copy_(self.world.gather(key)[root])
+            return tensor
         if kind == "ar":
             _, tensor, op, postscale, key = handle
             posts = self.world.gather(key)

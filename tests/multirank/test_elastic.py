@@ -3,31 +3,19 @@ on localhost whose host-discovery script removes a worker and adds it back
 (tests/multirank/workers/elastic_train.py, which checks each rank in-process; the tests compare the
 ranks), with a hard timeout on the whole process group. The single-process checks (size 1) are in
 tests/unit/test_world.py and tests/unit/test_optimizer.py."""
-import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, WORKERS, _env
+from conftest import WORKERS, _env, read_results, run_job
 from helpers.checks import assert_checks
 
 TIMEOUT_S = 110
-
-
-def _results(text):
-    out, dec = [], json.JSONDecoder()
-    i = text.find("RESULT {")
-    while i >= 0:
-        obj, end = dec.raw_decode(text, i + 7)
-        out.append(obj)
-        i = text.find("RESULT {", end)
-    return out
 
 
 def run_elastic(tmp_path, *args, hosts_text="localhost:2\n", timeout=TIMEOUT_S):
@@ -43,23 +31,13 @@ def run_elastic(tmp_path, *args, hosts_text="localhost:2\n", timeout=TIMEOUT_S):
            "--network-interface", "lo", "--start-timeout", "60", "--gloo",
            py, str(WORKERS / "elastic_train.py"), "--hosts-file", str(hosts), *map(str, args)]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-                            cwd=str(ROOT), start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and every worker it started
-        out, _ = proc.communicate()
-        pytest.fail(f"elastic job hung for {timeout}s\n{out[-6000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # a worker left behind by the driver
-        except ProcessLookupError:
-            pass
+    with tempfile.TemporaryDirectory(prefix="hvdx-results-") as results_dir:
+        rc, out, _ = run_job(cmd, timeout, "elastic job", _env(results_dir), merge_stderr=True)
+        results = read_results(results_dir)
     elapsed = time.monotonic() - t0
-    if proc.returncode != 0:
-        pytest.fail(f"elastic job exited {proc.returncode}\n{out[-6000:]}")
-    return _results(out), out, elapsed
+    if rc != 0:
+        pytest.fail(f"elastic job exited {rc}\n{out[-6000:]}")
+    return sorted(results, key=lambda r: r.get("rank", 0)), out, elapsed
 
 
 def test_elastic_remove_and_readd_worker(tmp_path):

@@ -1,16 +1,16 @@
 """Node-aware exchange on real Horovod ranks spread over two network namespaces
 (scripts/shaped-cluster, horovodrun --gloo -H node1:2,node2:2); skipped without root and iproute2."""
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, WORKERS
+from conftest import ROOT, WORKERS, read_results
 from helpers.checks import assert_checks
 
 
@@ -40,19 +40,17 @@ def _testbed(mode, timeout=280):
            "--name", "hiertest", "--", "bash", "-c",
            f"timeout {timeout - 40} horovodrun -np $SHAPED_CLUSTER_NP -H $SHAPED_CLUSTER_HOSTS --gloo "
            f"--disable-cache --start-timeout 120 {sys.executable} {worker} {mode}"]
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.send_signal(signal.SIGTERM)  # shaped-cluster removes its namespaces
-        out, err = p.communicate(timeout=30)
-        pytest.fail(f"testbed run timed out after {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
-    assert p.returncode == 0, out[-4000:] + err[-4000:]
-    res, dec, i = [], json.JSONDecoder(), out.find("RESULT {")
-    while i >= 0:
-        obj, end = dec.raw_decode(out, i + 7)
-        res.append(obj)
-        i = out.find("RESULT {", end)
+    with tempfile.TemporaryDirectory(prefix="hvdx-results-") as results_dir:
+        env["HVDX_TEST_RESULTS_DIR"] = results_dir  # workers/common.emit writes each RESULT there
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGTERM)  # shaped-cluster removes its namespaces
+            out, err = p.communicate(timeout=30)
+            pytest.fail(f"testbed run timed out after {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
+        assert p.returncode == 0, out[-4000:] + err[-4000:]
+        res = read_results(results_dir)
     res.sort(key=lambda r: r["rank"])
     assert len(res) == 4, out[-4000:]
     return res
