@@ -34,7 +34,7 @@ custom ones) keep a live second moment.
 
 Spec keys (every compressor, :mod:`hvd_ext.compression.common`): ``variance=auto|freeze|live``
 (auto: freeze when the optimizer is one of the above and the codec keeps an error-feedback memory
--- see ``needs_freeze``) and ``warmup=N`` dense exchanges (old name ``variance_warmup``).
+or is QSGD below 8 bits -- see ``needs_freeze``) and ``warmup=N`` dense exchanges (old name ``variance_warmup``).
 """
 from __future__ import annotations
 
@@ -66,17 +66,18 @@ def adaptive_kind(optimizer) -> Optional[str]:
 
 def needs_freeze(compressor) -> bool:
     """``variance=auto``: a lossy codec with an error-feedback memory (its delayed bursts are what
-    the live second moment distorts). Codecs without memory (unbiased quantizers, sign codecs) keep
-    the live second moment, which absorbs their noise. ``compression="auto"`` keeps it live too: under
-    an adaptive optimizer it does not choose a candidate with a memory (``AutoCompression``), unless
-    ``variance=freeze`` is in its spec."""
+    the live second moment distorts), or one whose noise is known to inflate it
+    (``Compressor.noise_inflates_live_moment``: QSGD below 8 bits). Other codecs without memory
+    (8-bit QSGD, sign codecs) keep the live second moment, which absorbs their noise.
+    ``compression="auto"`` keeps it live too: under an adaptive optimizer it does not choose a
+    candidate with a memory (``AutoCompression``), unless ``variance=freeze`` is in its spec."""
 
     if getattr(compressor, "lossless", False):
         return False
     if getattr(compressor, "candidates", None) is not None:
         return False
     fb = getattr(compressor, "feedback", None)
-    return fb is not None and not isinstance(fb, NoFeedback)
+    return (fb is not None and not isinstance(fb, NoFeedback)) or bool(compressor.noise_inflates_live_moment())
 
 
 class VarianceFreeze:
@@ -98,11 +99,6 @@ class VarianceFreeze:
             raise ValueError(f"variance must be one of {', '.join(VARIANCE_CHOICES)}, got {mode!r}")
         warmup = compressor.warmup_length(frozen_moment=True)
         kind = adaptive_kind(optimizer)
-        if mode == "auto" and kind is not None and not needs_freeze(compressor):
-            advice = compressor.live_moment_advice()
-            if advice:
-                warnings.warn(f"hvd_ext: {kind} with compression '{compressor.spec()}': its noise inflates "
-                              f"{kind}'s live second moment and costs accuracy; {advice}", stacklevel=3)
         if mode == "live" or kind is None or (mode == "auto" and not needs_freeze(compressor)):
             return None
         if _rule(optimizer) is None:
@@ -113,8 +109,10 @@ class VarianceFreeze:
         if mode == "auto":
             when = (f"the first {warmup} exchanges are dense, then {kind}'s second moment is frozen" if warmup
                     else f"{kind}'s second moment is frozen at its first value")
+            why = ("so error feedback adds up as under SGD" if not compressor.noise_inflates_live_moment()
+                   else "so the codec's noise does not inflate it")
             warnings.warn(f"hvd_ext: {kind} with lossy compression '{compressor.name}': {when} (1-bit Adam, Tang "
-                          f"et al. 2021) so error feedback adds up as under SGD. Put variance=live in the compression "
+                          f"et al. 2021) {why}. Put variance=live in the compression "
                           f"spec to keep it live, warmup=N for N dense exchanges first.", stacklevel=3)
         return cls(optimizer, warmup, names)
 

@@ -159,11 +159,12 @@ class Compressor:
         frozen from the first, largest gradients keeps the bursts of error feedback in check."""
         return 0
 
-    def live_moment_advice(self) -> Optional[str]:
-        """What to set when this codec runs under an adaptive optimizer whose second moment stays live
-        (``variance=auto`` and no error-feedback memory), if its noise is known to cost accuracy there;
-        ``hvd_ext.variance_freeze`` warns with it at construction. Default: None (nothing to say)."""
-        return None
+    def noise_inflates_live_moment(self) -> bool:
+        """True when this codec, although it keeps no error-feedback memory, is known to cost accuracy
+        under an adaptive optimizer whose second moment stays live (its noise inflates the moment):
+        ``variance=auto`` then freezes the moment for it too (:mod:`hvd_ext.variance_freeze`).
+        Default: False."""
+        return False
 
     def warmup_length(self, frozen_moment: bool = False) -> int:
         """The dense warm-up this codec runs: ``warmup=`` if given, else ``default_warmup``."""

@@ -421,3 +421,23 @@ def test_under_adam_the_second_moment_stays_live_and_memory_codecs_are_left_out(
     comp.bind_optimizer(opt)
     assert all(comp.allowed(i) for i in range(4))
     assert VarianceFreeze.for_optimizer(opt, comp, names) is not None
+
+
+def test_calibration_file_gives_auto_its_link(tmp_path, monkeypatch):
+    """HVD_EXT_CALIBRATION (python -m hvd_ext.plan --measure): auto takes the flat link from the file
+    instead of probing, so a slow link there makes it compress where the probe alone would not."""
+    import json
+
+    from hvd_ext.exchange import calibration
+
+    path = tmp_path / "calib.json"
+    path.write_text(json.dumps({"version": 1, "ranks": 2, "nodes": 1, "local": 2, "device": "cpu",
+                                "links": {"flat": {"lat": 1e-5, "bandwidth": 1e5}}}))
+    monkeypatch.setenv(calibration.ENV, str(path))
+    monkeypatch.setattr(calibration, "_CACHE", {})
+    monkeypatch.setattr(AutoTuner, "_probe_link", AutoTuner._probe_link)  # the real probe: it reads the file
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed", _grads(3, 2), 2)
+    for r in runs:
+        d = r.pipeline.auto.decisions[0]
+        assert d["link"]["MB_per_s"] == pytest.approx(0.1, rel=0.05)
+        assert set(r.pipeline.auto.report()["choice"]) != {"none"}

@@ -152,8 +152,11 @@ def _decision(opt_kind, spec):
     ("adam", "topk", True),                       # error feedback: bursts
     ("adam", "dgc", True),
     ("adam", "efsignsgd", True),
-    ("adam", "qsgd", False),                      # no memory: the live moment absorbs its noise
+    ("adam", "qsgd", True),                       # 4 bits: its noise inflates a live moment
+    ("adam", "qsgd:bits=8", False),               # no memory, 8 bits: the live moment absorbs its noise
+    ("adam", "signsgd", False),
     ("adam", "qsgd:variance=freeze", True),
+    ("adam", "qsgd:variance=live", False),
     ("adam", "topk:variance=live", False),
     ("adam", "auto", False),                      # auto keeps it live and leaves codecs with memory out
     ("adam", "auto:variance=freeze", True),
@@ -178,17 +181,9 @@ def test_warmup_from_spec_and_bad_values():
         hvd_ext.compression_from_spec("topk:warmup=-1")
 
 
-@pytest.mark.parametrize("opt_kind,spec,advised", [
-    ("adam", "qsgd", True),                   # 4 bits, live moment: says what to set
-    ("adam", "qsgd:bits=8", False),
-    ("adam", "qsgd:variance=live", False),    # the user chose the live moment
-    ("adam", "qsgd:variance=freeze", False),  # frozen: nothing to advise
-    ("sgd", "qsgd", False),                   # not adaptive
-    ("adam", "topk", False),                  # frozen by default (memory)
-])
-def test_a_codec_that_needs_a_frozen_moment_says_so_at_construction(opt_kind, spec, advised):
-    vf, msgs = _decision(opt_kind, spec)
-    said = [m for m in msgs if "live second moment" in m]
-    assert bool(said) == advised, msgs
-    if advised:
-        assert vf is None and "variance=freeze" in said[0] and "bits=8" in said[0]
+def test_low_bit_qsgd_freezes_under_adam_and_says_why():
+    vf, msgs = _decision("adam", "qsgd")
+    said = [m for m in msgs if "second moment is frozen" in m]
+    assert vf is not None and said and "noise" in said[0] and "variance=live" in said[0], msgs
+    vf, msgs = _decision("sgd", "qsgd")
+    assert vf is None and not msgs
