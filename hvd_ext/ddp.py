@@ -1,0 +1,157 @@
+"""Every hvd_ext codec as a PyTorch DDP communication hook, over ``torch.distributed``.
+
+    state, hook = hvd_ext.ddp.comm_hook("qsgd:bits=8")
+    model.register_comm_hook(state, hook)          # or: hvd_ext.ddp.register(model, "qsgd:bits=8")
+
+DDP hands the hook one gradient bucket at a time (``dist.GradBucket``: a flat buffer and views of
+it per parameter). Each DDP bucket gets its own :class:`hvd_ext.pipeline.GradientPipeline` -- the
+same codecs, feedback memories, routes (allreduce, allgather, two-phase, sparse reduce-scatter,
+node-aware) and ``auto`` as the Horovod path -- over a
+:class:`hvd_ext.exchange.torch_transport.TorchDistTransport` on the hook's process group. The
+averaged gradient is written back into the bucket, as DDP's own hooks do (PyTorch's
+``ddp_comm_hooks``: ``fp16_compress_hook``, ``powerSGD_hook``).
+
+State. :class:`HookState` holds the pipelines, so error-feedback and compressor state (PowerSGD's
+Q, ``auto``'s choices) live there; ``state_dict()`` / ``load_state_dict()`` checkpoint them, by
+DDP bucket index (load before the first backward: the pipelines are made at their bucket's first
+call). DDP rebuilds its buckets after its first iteration; the hook then starts a new pipeline
+for the new layout, and what the first one held (one step's error feedback) is dropped.
+
+Agreement. At the first bucket every rank's spec, bucket layout and dtypes are compared in one
+allgather: a rank configured differently raises ``ValueError`` on every rank, naming the
+difference. A non-finite gradient on any rank is known to every rank (the exchange carries the
+flag): the hook then leaves the bucket's gradient at zero on every rank and sets
+``state.skip_step``, which the training loop checks before ``optimizer.step()`` (a DDP hook cannot
+skip the step itself).
+
+Not yet: the hook completes each bucket's exchange before it returns (its future is already done),
+so the exchange does not overlap the rest of backward as it does under Horovod; the routes' second
+phases would otherwise run on gloo's callback threads in an order the ranks need not share.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from .exchange.core import Exchange
+from .exchange.torch_transport import TorchDistTransport
+from .pipeline import GradientPipeline
+from .spec import compression_from_spec
+
+BIG = 1 << 62  # one hvd_ext bucket per DDP bucket: DDP already chose the buckets
+
+
+class HookState:
+    """The hook's state: the spec, the exchange over ``process_group``, one pipeline per DDP bucket."""
+
+    def __init__(self, spec: str, process_group=None):
+        compression_from_spec(spec)  # a bad spec fails here, before any collective
+        self.spec = spec
+        self.exchange = Exchange(op="average", transport=TorchDistTransport(process_group))
+        self.pipelines: Dict[tuple, Tuple[GradientPipeline, List[torch.nn.Parameter]]] = {}  # by layout
+        self._names: Dict[int, str] = {}
+        self.skip_step = False
+        self.skipped_steps = 0
+        self._pending: Dict[int, Dict[str, Any]] = {}
+        self._agreed = False
+        self.layout: Dict[int, List[int]] = {}  # bucket index -> id() of its parameters, in the buffer's order
+
+    # ---- checkpoint ----------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        out = {i: self.pipelines[tuple(ids)][0].state_dict() for i, ids in self.layout.items()}
+        out.update({i: sd for i, sd in self._pending.items() if i not in out})
+        return {"spec": self.spec, "buckets": out, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        if sd.get("spec") != self.spec:
+            raise ValueError(f"hvd_ext.ddp: checkpoint is for spec {sd.get('spec')!r}, this hook runs {self.spec!r}")
+        self.skipped_steps = int(sd.get("skipped_steps", 0))
+        for i, bsd in sd["buckets"].items():
+            if int(i) in self.layout:
+                self.pipelines[tuple(self.layout[int(i)])][0].load_state_dict(bsd)
+            else:
+                self._pending[int(i)] = bsd
+
+    # ---- per bucket ------------------------------------------------------------------------
+    def _agree(self, bucket) -> None:
+        mine = {"spec": self.spec, "index": bucket.index(),
+                "tensors": [(tuple(g.shape), str(g.dtype)) for g in bucket.gradients()]}
+        every = self.exchange.allgather_object(mine, "hvd_ext.ddp.config")
+        for r, theirs in enumerate(every):
+            if theirs != mine:
+                key = next(k for k in mine if theirs.get(k) != mine[k])
+                raise ValueError(f"hvd_ext.ddp: ranks are configured differently: {key} is {mine[key]!r} on rank "
+                                 f"{self.exchange.rank} and {theirs[key]!r} on rank {r}; every rank must register "
+                                 "the same spec on the same model")
+        self._agreed = True
+
+    def pipeline(self, bucket) -> Tuple[GradientPipeline, List[torch.nn.Parameter]]:
+        """The pipeline of this bucket's layout. DDP rebuilds its buckets once, after the first
+        iteration, in the order the gradients became ready: a new layout gets a new pipeline (what
+        the old one held -- one step of error feedback, PowerSGD's first Q -- is not carried over)."""
+        i = bucket.index()
+        params = aligned_parameters(bucket)
+        key = tuple(id(p) for p in params)
+        if key not in self.pipelines:
+            shadows = [torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in params]
+            comp = compression_from_spec(self.spec)
+            named = [(self.name_of(p), s) for p, s in zip(params, shadows)]
+            pipe = GradientPipeline(named, comp, comp.feedback, self.exchange, BIG, warmup=comp.warmup_length())
+            if i in self._pending:
+                pipe.load_state_dict(self._pending.pop(i))
+            self.pipelines[key] = (pipe, shadows)
+        self.layout[i] = list(key)
+        return self.pipelines[key]
+
+    def name_of(self, p) -> str:
+        """A parameter's name in the pipeline (its feedback memory, its codec state): the order in which
+        the hook first met it, the same on every rank as DDP's buckets are."""
+        return self._names.setdefault(id(p), f"p{len(self._names)}")
+
+
+def aligned_parameters(bucket) -> List[torch.Tensor]:
+    """The bucket's parameters in the order of its gradients (the buffer's layout). ``GradBucket``
+    lists them in the model's order and the gradients in the bucket's; pair them by shape."""
+    params, grads = list(bucket.parameters()), list(bucket.gradients())
+    shape = lambda t: (tuple(t.shape), t.dtype)  # noqa: E731
+    for cand in (params, params[::-1]):
+        if [shape(p) for p in cand] == [shape(g) for g in grads]:
+            return cand
+    left, out = list(params), []
+    for g in grads:
+        k = next(k for k, p in enumerate(left) if shape(p) == shape(g))
+        out.append(left.pop(k))
+    return out
+
+
+def hook(state: HookState, bucket):  # unannotated: DDP checks a return annotation literally
+    """The DDP communication hook (see module doc): a completed ``torch.futures.Future`` of the bucket."""
+    if not state._agreed:
+        state._agree(bucket)
+    if bucket.index() == 0:
+        state.skip_step = False
+    pipe, shadows = state.pipeline(bucket)
+    for s, g in zip(shadows, bucket.gradients()):
+        s.grad = g  # views of the bucket's buffer: the pipeline writes the average into them
+    pipe.flush()
+    if pipe.finish():
+        bucket.buffer().zero_()
+        if not state.skip_step:
+            state.skipped_steps += 1
+        state.skip_step = True
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def comm_hook(spec: str, process_group=None) -> Tuple[HookState, Any]:
+    """``(state, hook)`` for ``model.register_comm_hook(state, hook)``."""
+    return HookState(spec, process_group), hook
+
+
+def register(model, spec: str, process_group=None) -> HookState:
+    """Register the hook for ``spec`` on a ``DistributedDataParallel`` model; returns its state."""
+    state, fn = comm_hook(spec, process_group)
+    model.register_comm_hook(state, fn)
+    return state

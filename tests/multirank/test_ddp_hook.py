@@ -1,0 +1,151 @@
+"""hvd_ext.ddp: every codec family as a DDP communication hook over gloo, in real processes at 2 and
+3 ranks: the averaged gradients equal the hvd_ext pipeline's on the same inputs (the simulated
+world's, which the Horovod path matches), a non-finite gradient on one rank skips the step on every
+rank, a rank configured differently fails on every rank, and the hook state checkpoints."""
+import io
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hvd_ext.testing.harness import run_pipeline
+
+SPECS = ["fp16", "powersgd:rank=2,warmup=0", "qsgd:bits=8,exchange=allgather", "qsgd:bits=4,exchange=twophase",
+         "efsignsgd:exchange=twophase", "topk:ratio=0.05,exchange=allgather", "topk:ratio=0.05,exchange=twophase"]
+BIG = 1 << 62
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _data(rank, step):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def _worker(rank, size, port, out, mode):
+    try:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        import hvd_ext.ddp as hddp
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=size)
+        torch.set_num_threads(1)
+        res = {}
+        if mode == "mismatch":
+            spec = "qsgd:bits=8" if rank == 0 else "qsgd:bits=4"
+            model = DDP(_model())
+            hddp.register(model, spec)
+            x, y = _data(rank, 0)
+            try:
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                res["error"] = None
+            except ValueError as e:
+                res["error"] = str(e)
+        else:
+            for spec in SPECS:
+                model = DDP(_model())
+                state, hook = hddp.comm_hook(spec)
+                model.register_comm_hook(state, hook)
+                local = _model()
+                names = {id(p): n for n, p in model.module.named_parameters()}
+                steps = []
+                for step in range(2):
+                    x, y = _data(rank, step)
+                    if mode == "nan" and rank == 1 and step == 1:
+                        x = x.clone()
+                        x[0, 0] = float("nan")
+                    model.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    local.zero_grad()
+                    torch.nn.functional.cross_entropy(local(x), y).backward()
+                    assert list(state.layout) == [0], state.layout  # a small model: one DDP bucket
+                    hook_name = {n: state.name_of(p) for n, p in model.module.named_parameters()}
+                    steps.append({"avg": {hook_name[n]: p.grad.clone() for n, p in model.module.named_parameters()},
+                                  "local": {hook_name[n]: p.grad.clone() for n, p in local.named_parameters()},
+                                  "skip": state.skip_step,
+                                  "order": [hook_name[names[i]] for i in state.layout[0]],
+                                  "pipelines": len(state.pipelines)})
+                res[spec] = {"steps": steps, "sd": state.state_dict()}
+                if mode == "plain":
+                    fresh, _ = hddp.comm_hook(spec)
+                    fresh.load_state_dict(state.state_dict())
+                    res[spec]["reloaded"] = fresh.state_dict()["buckets"].keys() == state.state_dict()["buckets"].keys()
+        dist.destroy_process_group()
+        buf = io.BytesIO()
+        torch.save(res, buf)  # bytes, not shared tensors: the child may exit before they are read
+        out.put((rank, buf.getvalue()))
+    except Exception:  # noqa: BLE001 -- reported to the test
+        out.put((rank, {"crash": traceback.format_exc()}))
+
+
+def _run(size, mode):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_worker, args=(r, size, port, q, mode)) for r in range(size)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=200) for _ in range(size))
+    for p in procs:
+        p.join(timeout=30)
+    for r in range(size):
+        assert not isinstance(got[r], dict), got[r]["crash"]
+        got[r] = torch.load(io.BytesIO(got[r]), weights_only=False)
+    return got
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("size", [2, 3])
+def test_ddp_hook_equals_the_pipeline(size):
+    got = _run(size, "plain")
+    for spec in SPECS:
+        runs = [got[r][spec]["steps"] for r in range(size)]
+        # one pipeline per layout: DDP rebuilds its bucket after the first iteration, so the reference
+        # is a fresh pipeline with the same layout for each layout the hook ran
+        for s in range(2):
+            order = runs[0][s]["order"]
+            assert all(runs[r][s]["order"] == order for r in range(size))
+            fresh = s == 0 or runs[0][s]["pipelines"] > runs[0][s - 1]["pipelines"]
+            first = s if fresh else 0
+            grads = [[{n: runs[r][t]["local"][n] for n in order} for r in range(size)] for t in range(first, s + 1)]
+            ref = run_pipeline(spec, grads, size, bucket_bytes=BIG)
+            for r in range(size):
+                assert not runs[r][s]["skip"]
+                for n in order:
+                    mine, want = runs[r][s]["avg"][n], ref[r].results[-1][n]
+                    if spec.startswith("powersgd"):  # float32 allreduce: gloo's summation order
+                        torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6)
+                    else:
+                        assert torch.equal(mine, want), (spec, n, s)
+        assert all(got[r][spec]["reloaded"] for r in range(size))
+
+
+@pytest.mark.timeout(300)
+def test_ddp_hook_nonfinite_skips_on_every_rank():
+    got = _run(2, "nan")
+    for r in range(2):
+        for spec in SPECS:
+            s0, s1 = got[r][spec]["steps"]
+            assert not s0["skip"] and s1["skip"], spec
+            assert all(float(g.abs().sum()) == 0.0 for g in s1["avg"].values()), spec  # nothing applied
+
+
+@pytest.mark.timeout(300)
+def test_ddp_hook_configured_differently_fails_on_every_rank():
+    got = _run(2, "mismatch")
+    for r in range(2):
+        assert got[r]["error"] and "configured differently" in got[r]["error"] and "spec" in got[r]["error"]
