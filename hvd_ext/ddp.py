@@ -14,8 +14,8 @@ averaged gradient is written back into the bucket, as DDP's own hooks do (PyTorc
 State. :class:`HookState` holds the pipelines, so error-feedback and compressor state (PowerSGD's
 Q, ``auto``'s choices) live there; ``state_dict()`` / ``load_state_dict()`` checkpoint them, by
 DDP bucket index (load before the first backward: the pipelines are made at their bucket's first
-call). DDP rebuilds its buckets after its first iteration; the hook then starts a new pipeline
-for the new layout, and what the first one held (one step's error feedback) is dropped.
+call). A pipeline orders its parameters by name, not by DDP's buffer, so DDP's rebuild of its
+buckets after the first iteration keeps a bucket's pipeline when the bucket keeps its parameters.
 
 Agreement. At the first bucket every rank's spec, bucket layout and dtypes are compared in one
 allgather: a rank configured differently raises ``ValueError`` on every rank, naming the
@@ -55,7 +55,7 @@ class HookState:
         self.skipped_steps = 0
         self._pending: Dict[int, Dict[str, Any]] = {}
         self._agreed = False
-        self.layout: Dict[int, List[int]] = {}  # bucket index -> id() of its parameters, in the buffer's order
+        self.layout: Dict[int, List[int]] = {}  # bucket index -> id() of its parameters, in the pipeline's order
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -86,23 +86,29 @@ class HookState:
                                  "the same spec on the same model")
         self._agreed = True
 
-    def pipeline(self, bucket) -> Tuple[GradientPipeline, List[torch.nn.Parameter]]:
-        """The pipeline of this bucket's layout. DDP rebuilds its buckets once, after the first
-        iteration, in the order the gradients became ready: a new layout gets a new pipeline (what
-        the old one held -- one step of error feedback, PowerSGD's first Q -- is not carried over)."""
+    def pipeline(self, bucket) -> Tuple[GradientPipeline, List[torch.nn.Parameter], List[torch.Tensor]]:
+        """The pipeline of this bucket's parameters, its shadow parameters and the bucket's gradient
+        views, both in the pipeline's order. The pipeline orders the parameters by their names (the
+        order the hook first met them), not by the buffer: when DDP rebuilds its buckets after the
+        first iteration, a bucket that keeps its parameters keeps its pipeline and what it holds,
+        and a resumed run orders them as the run that saved the checkpoint."""
         i = bucket.index()
-        params = aligned_parameters(bucket)
-        key = tuple(id(p) for p in params)
+        pairs = list(zip(aligned_parameters(bucket), bucket.gradients()))
+        for p, _ in pairs:
+            self.name_of(p)
+        pairs.sort(key=lambda pg: int(self.name_of(pg[0])[1:]))
+        key = tuple(id(p) for p, _ in pairs)
         if key not in self.pipelines:
-            shadows = [torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in params]
+            shadows = [torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p, _ in pairs]
             comp = compression_from_spec(self.spec)
-            named = [(self.name_of(p), s) for p, s in zip(params, shadows)]
+            named = [(self.name_of(p), s) for (p, _), s in zip(pairs, shadows)]
             pipe = GradientPipeline(named, comp, comp.feedback, self.exchange, BIG, warmup=comp.warmup_length())
             if i in self._pending:
                 pipe.load_state_dict(self._pending.pop(i))
             self.pipelines[key] = (pipe, shadows)
         self.layout[i] = list(key)
-        return self.pipelines[key]
+        pipe, shadows = self.pipelines[key]
+        return pipe, shadows, [g for _, g in pairs]
 
     def name_of(self, p) -> str:
         """A parameter's name in the pipeline (its feedback memory, its codec state): the order in which
@@ -131,8 +137,8 @@ def hook(state: HookState, bucket):  # unannotated: DDP checks a return annotati
         state._agree(bucket)
     if bucket.index() == 0:
         state.skip_step = False
-    pipe, shadows = state.pipeline(bucket)
-    for s, g in zip(shadows, bucket.gradients()):
+    pipe, shadows, grads = state.pipeline(bucket)
+    for s, g in zip(shadows, grads):
         s.grad = g  # views of the bucket's buffer: the pipeline writes the average into them
     pipe.flush()
     if pipe.finish():

@@ -55,6 +55,27 @@ def _worker(rank, size, port, out, mode):
                 res["error"] = None
             except ValueError as e:
                 res["error"] = str(e)
+        elif mode == "resume":
+            def grads_at(model, step):
+                x, y = _data(rank, step)
+                model.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                return {n: p.grad.clone() for n, p in model.module.named_parameters()}
+
+            for spec in SPECS:
+                a = DDP(_model())
+                hddp.register(a, spec)
+                whole = [grads_at(a, s) for s in range(3)]
+                b = DDP(_model())
+                sb = hddp.register(b, spec)
+                for s in range(2):
+                    grads_at(b, s)
+                saved = sb.state_dict()
+                c = DDP(_model())
+                sc, hook = hddp.comm_hook(spec)
+                sc.load_state_dict(saved)
+                c.register_comm_hook(sc, hook)
+                res[spec] = {"whole": whole[2], "resumed": grads_at(c, 2)}
         else:
             for spec in SPECS:
                 model = DDP(_model())
@@ -149,3 +170,12 @@ def test_ddp_hook_configured_differently_fails_on_every_rank():
     got = _run(2, "mismatch")
     for r in range(2):
         assert got[r]["error"] and "configured differently" in got[r]["error"] and "spec" in got[r]["error"]
+
+
+@pytest.mark.timeout(300)
+def test_ddp_hook_checkpoint_resumes_bit_exact():
+    got = _run(2, "resume")
+    for r in range(2):
+        for spec in SPECS:
+            whole, resumed = got[r][spec]["whole"], got[r][spec]["resumed"]
+            assert all(torch.equal(whole[n], resumed[n]) for n in whole), spec
