@@ -72,6 +72,63 @@ def fit_codec(spec: str, numel: int, device) -> tuple:
     return max(t_small - small / speed, 0.0), speed
 
 
+class _Job:
+    """This job's exchange and the two collectives the measurements agree with: an allreduce and the
+    ranks' mean of a list of floats."""
+
+    def __init__(self, ex, device):
+        self.ex, self.top, self.N, self.device = ex, ex.transport, ex.size, device
+
+    def allreduce(self, t, name, op="sum"):
+        return self.top.wait(self.top.allreduce_async(t, name, op=op))
+
+    def mean(self, values):
+        return self.allreduce(torch.tensor(values, dtype=torch.float64), f"hvd_ext.calibrate.{len(values)}",
+                              "average").tolist()
+
+
+def _measure_links(job: _Job) -> tuple:
+    """The flat link (and each collective's fixed cost), and the node links across nodes;
+    with the number of nodes and ranks per node."""
+    from ..exchange import probe
+
+    top, N = job.top, job.N
+    small, large = torch.zeros(SMALL, device=job.device), torch.zeros(LARGE, device=job.device)
+    job.allreduce(small, "hvd_ext.calibrate.sync")
+    t_small = best_time(lambda: job.allreduce(small, "hvd_ext.calibrate.small"), 5)
+    t_large = best_time(lambda: job.allreduce(large, "hvd_ext.calibrate.large"), 3)
+    t_gather = best_time(lambda: top.wait(top.allgather_async(small, "hvd_ext.calibrate.ag")), 5)
+    splits = [SMALL // N] * (N - 1) + [SMALL - (N - 1) * (SMALL // N)]
+    t_a2a = best_time(lambda: top.wait(top.alltoall_async(small, splits, "hvd_ext.calibrate.a2a")), 5)
+    t_small, t_large, t_gather, t_a2a = job.mean([t_small, t_large, t_gather, t_a2a])
+    wire = cost.allreduce_wire(4.0 * (LARGE - SMALL), N)
+    links: Dict[str, Dict[str, Any]] = {
+        "flat": {"lat": t_small, "bandwidth": wire / max(t_large - t_small, 1e-7),
+                 "lat_by_kind": {"allreduce": t_small, "allgather": t_gather, "alltoall": t_a2a}}}
+    topo = job.ex.topology()
+    nodes, local = (topo.cross_size, topo.local_size) if topo is not None else (1, N)
+    if topo is not None and topo.multi_node:
+        job.ex.node_exchanges()
+        m = probe.measure_node_model(job.ex, job.device)["model"]
+        links["intra"] = {"alpha": m.intra.alpha, "bandwidth": m.intra.bandwidth}
+        links["inter"] = {"alpha": m.inter.alpha, "bandwidth": m.inter.bandwidth}
+    elif N > 1:
+        links["intra"] = {"alpha": t_small / (2.0 * (N - 1)), "bandwidth": links["flat"]["bandwidth"]}
+    return links, nodes, local
+
+
+def _measure_compute(job: _Job, step: Callable[[], Any], steps: int) -> float:
+    """The ranks' mean of the median seconds of ``step`` (the first call left out)."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        if job.device.type == "cuda":
+            torch.cuda.synchronize(job.device)
+        times.append(time.perf_counter() - t0)
+    return job.mean([statistics.median(times[1:] or times)])[0]
+
+
 def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
             step: Optional[Callable[[], Any]] = None, steps: int = 10) -> Dict[str, Any]:
     """The calibration of this job's world (collective over Horovod's global set, through
@@ -79,60 +136,21 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     import horovod.torch as hvd
 
     from ..exchange.core import Exchange
-    from ..exchange import probe
 
     if not hvd.is_initialized():
         hvd.init()
-    ex = Exchange()
-    top = ex.transport
-    N = ex.size
     device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
-
-    def allreduce(t, name, op="sum"):
-        return top.wait(top.allreduce_async(t, name, op=op))
-
-    def mean(values):
-        return allreduce(torch.tensor(values, dtype=torch.float64), f"hvd_ext.calibrate.{len(values)}",
-                         "average").tolist()
-
-    small, large = torch.zeros(SMALL, device=device), torch.zeros(LARGE, device=device)
-    allreduce(small, "hvd_ext.calibrate.sync")
-    t_small = best_time(lambda: allreduce(small, "hvd_ext.calibrate.small"), 5)
-    t_large = best_time(lambda: allreduce(large, "hvd_ext.calibrate.large"), 3)
-    t_gather = best_time(lambda: top.wait(top.allgather_async(small, "hvd_ext.calibrate.ag")), 5)
-    t_a2a = best_time(lambda: top.wait(top.alltoall_async(small, [SMALL // N] * (N - 1) + [SMALL - (N - 1) * (SMALL // N)],
-                                                          "hvd_ext.calibrate.a2a")), 5)
-    t_small, t_large, t_gather, t_a2a = mean([t_small, t_large, t_gather, t_a2a])
-    wire = cost.allreduce_wire(4.0 * (LARGE - SMALL), N)
-    links: Dict[str, Dict[str, Any]] = {
-        "flat": {"lat": t_small, "bandwidth": wire / max(t_large - t_small, 1e-7),
-                 "lat_by_kind": {"allreduce": t_small, "allgather": t_gather, "alltoall": t_a2a}}}
-    topo = ex.topology()
-    nodes, local = (topo.cross_size, topo.local_size) if topo is not None else (1, N)
-    if topo is not None and topo.multi_node:
-        ex.node_exchanges()
-        m = probe.measure_node_model(ex, device)["model"]
-        links["intra"] = {"alpha": m.intra.alpha, "bandwidth": m.intra.bandwidth}
-        links["inter"] = {"alpha": m.inter.alpha, "bandwidth": m.inter.bandwidth}
-    elif N > 1:
-        messages = 2.0 * (N - 1)
-        links["intra"] = {"alpha": t_small / messages, "bandwidth": links["flat"]["bandwidth"]}
+    job = _Job(Exchange(), device)
+    links, nodes, local = _measure_links(job)
     specs = [s for s in dict.fromkeys([*methods, *DEFAULT_CANDIDATES]) if s != "none"]
-    fits = mean([v for s in specs for v in fit_codec(s, codec_numel, device)])
-    codec = {s: fits[2 * i + 1] for i, s in enumerate(specs)}
-    fixed = {s: fits[2 * i] for i, s in enumerate(specs)}
-    out: Dict[str, Any] = {"version": calibration.VERSION, "ranks": N, "nodes": nodes, "local": local,
-                           "device": device.type, "links": links, "codec": codec, "codec_fixed_s": fixed,
+    fits = job.mean([v for s in specs for v in fit_codec(s, codec_numel, device)])
+    out: Dict[str, Any] = {"version": calibration.VERSION, "ranks": job.N, "nodes": nodes, "local": local,
+                           "device": device.type, "links": links,
+                           "codec": {s: fits[2 * i + 1] for i, s in enumerate(specs)},
+                           "codec_fixed_s": {s: fits[2 * i] for i, s in enumerate(specs)},
                            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     if step is not None:
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        out["compute_s"] = mean([statistics.median(times[1:] or times)])[0]
+        out["compute_s"] = _measure_compute(job, step, steps)
     return out
 
 

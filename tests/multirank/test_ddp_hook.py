@@ -2,15 +2,11 @@
 3 ranks: the averaged gradients equal the hvd_ext pipeline's on the same inputs (the simulated
 world's, which the Horovod path matches), a non-finite gradient on one rank skips the step on every
 rank, a rank configured differently fails on every rank, and the hook state checkpoints."""
-import io
-import os
-import socket
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from helpers.torchdist import spawn_gloo
+from multirank.workers.common import small_batch, small_model
 from hvd_ext.testing.harness import run_pipeline
 
 SPECS = ["fp16", "powersgd:rank=2,warmup=0", "qsgd:bits=8,exchange=allgather", "qsgd:bits=4,exchange=twophase",
@@ -18,115 +14,77 @@ SPECS = ["fp16", "powersgd:rank=2,warmup=0", "qsgd:bits=8,exchange=allgather", "
 BIG = 1 << 62
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank, size, mode):
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import hvd_ext.ddp as hddp
 
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    res = {}
+    if mode == "mismatch":
+        spec = "qsgd:bits=8" if rank == 0 else "qsgd:bits=4"
+        model = DDP(small_model())
+        hddp.register(model, spec)
+        x, y = small_batch(rank, 0)
+        try:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            res["error"] = None
+        except ValueError as e:
+            res["error"] = str(e)
+    elif mode == "resume":
+        def grads_at(model, step):
+            x, y = small_batch(rank, step)
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            return {n: p.grad.clone() for n, p in model.module.named_parameters()}
 
-
-def _data(rank, step):
-    g = torch.Generator().manual_seed(100 * rank + step)
-    return torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
-
-
-def _worker(rank, size, port, out, mode):
-    try:
-        import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        import hvd_ext.ddp as hddp
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=size)
-        torch.set_num_threads(1)
-        res = {}
-        if mode == "mismatch":
-            spec = "qsgd:bits=8" if rank == 0 else "qsgd:bits=4"
-            model = DDP(_model())
-            hddp.register(model, spec)
-            x, y = _data(rank, 0)
-            try:
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                res["error"] = None
-            except ValueError as e:
-                res["error"] = str(e)
-        elif mode == "resume":
-            def grads_at(model, step):
-                x, y = _data(rank, step)
+        for spec in SPECS:
+            a = DDP(small_model())
+            hddp.register(a, spec)
+            whole = [grads_at(a, s) for s in range(3)]
+            b = DDP(small_model())
+            sb = hddp.register(b, spec)
+            for s in range(2):
+                grads_at(b, s)
+            saved = sb.state_dict()
+            c = DDP(small_model())
+            sc, hook = hddp.comm_hook(spec)
+            sc.load_state_dict(saved)
+            c.register_comm_hook(sc, hook)
+            res[spec] = {"whole": whole[2], "resumed": grads_at(c, 2)}
+    else:
+        for spec in SPECS:
+            model = DDP(small_model())
+            state, hook = hddp.comm_hook(spec)
+            model.register_comm_hook(state, hook)
+            local = small_model()
+            names = {id(p): n for n, p in model.module.named_parameters()}
+            steps = []
+            for step in range(2):
+                x, y = small_batch(rank, step)
+                if mode == "nan" and rank == 1 and step == 1:
+                    x = x.clone()
+                    x[0, 0] = float("nan")
                 model.zero_grad()
                 torch.nn.functional.cross_entropy(model(x), y).backward()
-                return {n: p.grad.clone() for n, p in model.module.named_parameters()}
-
-            for spec in SPECS:
-                a = DDP(_model())
-                hddp.register(a, spec)
-                whole = [grads_at(a, s) for s in range(3)]
-                b = DDP(_model())
-                sb = hddp.register(b, spec)
-                for s in range(2):
-                    grads_at(b, s)
-                saved = sb.state_dict()
-                c = DDP(_model())
-                sc, hook = hddp.comm_hook(spec)
-                sc.load_state_dict(saved)
-                c.register_comm_hook(sc, hook)
-                res[spec] = {"whole": whole[2], "resumed": grads_at(c, 2)}
-        else:
-            for spec in SPECS:
-                model = DDP(_model())
-                state, hook = hddp.comm_hook(spec)
-                model.register_comm_hook(state, hook)
-                local = _model()
-                names = {id(p): n for n, p in model.module.named_parameters()}
-                steps = []
-                for step in range(2):
-                    x, y = _data(rank, step)
-                    if mode == "nan" and rank == 1 and step == 1:
-                        x = x.clone()
-                        x[0, 0] = float("nan")
-                    model.zero_grad()
-                    torch.nn.functional.cross_entropy(model(x), y).backward()
-                    local.zero_grad()
-                    torch.nn.functional.cross_entropy(local(x), y).backward()
-                    assert list(state.layout) == [0], state.layout  # a small model: one DDP bucket
-                    hook_name = {n: state.name_of(p) for n, p in model.module.named_parameters()}
-                    steps.append({"avg": {hook_name[n]: p.grad.clone() for n, p in model.module.named_parameters()},
-                                  "local": {hook_name[n]: p.grad.clone() for n, p in local.named_parameters()},
-                                  "skip": state.skip_step,
-                                  "order": [hook_name[names[i]] for i in state.layout[0]],
-                                  "pipelines": len(state.pipelines)})
-                res[spec] = {"steps": steps, "sd": state.state_dict()}
-                if mode == "plain":
-                    fresh, _ = hddp.comm_hook(spec)
-                    fresh.load_state_dict(state.state_dict())
-                    res[spec]["reloaded"] = fresh.state_dict()["buckets"].keys() == state.state_dict()["buckets"].keys()
-        dist.destroy_process_group()
-        buf = io.BytesIO()
-        torch.save(res, buf)  # bytes, not shared tensors: the child may exit before they are read
-        out.put((rank, buf.getvalue()))
-    except Exception:  # noqa: BLE001 -- reported to the test
-        out.put((rank, {"crash": traceback.format_exc()}))
+                local.zero_grad()
+                torch.nn.functional.cross_entropy(local(x), y).backward()
+                assert list(state.layout) == [0], state.layout  # a small model: one DDP bucket
+                hook_name = {n: state.name_of(p) for n, p in model.module.named_parameters()}
+                steps.append({"avg": {hook_name[n]: p.grad.clone() for n, p in model.module.named_parameters()},
+                              "local": {hook_name[n]: p.grad.clone() for n, p in local.named_parameters()},
+                              "skip": state.skip_step,
+                              "order": [hook_name[names[i]] for i in state.layout[0]],
+                              "pipelines": len(state.pipelines)})
+            res[spec] = {"steps": steps, "sd": state.state_dict()}
+            if mode == "plain":
+                fresh, _ = hddp.comm_hook(spec)
+                fresh.load_state_dict(state.state_dict())
+                res[spec]["reloaded"] = fresh.state_dict()["buckets"].keys() == state.state_dict()["buckets"].keys()
+    return res
 
 
 def _run(size, mode):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_worker, args=(r, size, port, q, mode)) for r in range(size)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=200) for _ in range(size))
-    for p in procs:
-        p.join(timeout=30)
-    for r in range(size):
-        assert not isinstance(got[r], dict), got[r]["crash"]
-        got[r] = torch.load(io.BytesIO(got[r]), weights_only=False)
-    return got
+    return spawn_gloo(_worker, size, mode)
 
 
 @pytest.mark.timeout(300)

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import WORKERS, _env, launch
+from conftest import WORKERS, _env, launch, run_job
 from helpers.checks import assert_checks
 
 
@@ -54,17 +52,10 @@ def _run_killed(mode: str, launcher: str, timeout: float = 240.0):
     else:
         cmd = ["mpirun", "-np", "2", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none",
                "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", py, script, mode]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{mode}: job still running {timeout}s after start (a rank hangs)\n{out[-3000:]}")
+    rc, out, _ = run_job(cmd, timeout, f"{mode}: job (a rank hangs?)", _env(), merge_stderr=True)
     end = time.time()
     killed = [float(line.split("KILLED ")[1].split()[0]) for line in out.splitlines() if "KILLED " in line]
-    return proc.returncode, (end - killed[0]) if killed else None, out
+    return rc, (end - killed[0]) if killed else None, out
 
 
 @pytest.mark.parametrize("mode,launcher", [("every", "gloo"), ("local", "gloo"), ("event", "mpirun")])

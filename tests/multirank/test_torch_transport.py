@@ -2,14 +2,10 @@
 processes, at 2 and 3 ranks: each collective against its definition (bf16 included), and the real
 gradient pipeline over it equal to the simulated world's result on every route (bit for bit, except
 a float32 allreduce, which gloo sums in its own order)."""
-import os
-import socket
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from helpers.torchdist import spawn_gloo
 from hvd_ext.testing.harness import run_on, run_pipeline
 
 SPECS = ["fp16", "bf16", "powersgd:rank=2,warmup=0", "qsgd:bits=8,exchange=allgather",
@@ -23,59 +19,34 @@ def grads(size, steps=3):
     return [[{n: torch.randn(s, generator=g) for n, s in SHAPES.items()} for _ in range(size)] for _ in range(steps)]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank, size):
+    from hvd_ext.exchange.torch_transport import TorchDistTransport
 
-
-def _worker(rank, size, port, out):
-    try:
-        import torch.distributed as dist
-
-        from hvd_ext.exchange.torch_transport import TorchDistTransport
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=size)
-        torch.set_num_threads(1)
-        t = TorchDistTransport()
-        res = {}
-        x = torch.full((5,), float(rank + 1))
-        res["sum"] = t.wait(t.allreduce_async(x.clone(), "s")).tolist()
-        res["avg"] = t.wait(t.allreduce_async(x.clone(), "a", op="average", postscale=2.0)).tolist()
-        mine = (torch.arange(rank + 2, dtype=torch.float32) + 10 * rank).to(torch.bfloat16)
-        res["ag"] = t.wait(t.allgather_async(mine, "g")).float().tolist()
-        send = torch.cat([torch.full((j + 1,), 100.0 * rank + j) for j in range(size)]).to(torch.bfloat16)
-        got, rsplits = t.wait(t.alltoall_async(send, [j + 1 for j in range(size)], "t"))
-        res["a2a"], res["a2a_splits"], res["a2a_dtype"] = got.float().tolist(), rsplits, str(got.dtype)
-        b = torch.full((3,), float(rank), dtype=torch.bfloat16)
-        res["bc"] = t.wait(t.broadcast_async(b, 1, "b")).float().tolist()
-        res["objs"] = t.allgather_object({"r": rank}, "o")
-        res["bobj"] = t.broadcast_object("root" if rank == 0 else None, 0, "bo")
-        res["runs"] = {}
-        for spec in SPECS:
-            run = run_on(t, spec, grads(size), rank)
-            res["runs"][spec] = ([{n: g.tolist() for n, g in step.items()} for step in run.results], run.routes)
-        dist.destroy_process_group()
-        out.put((rank, res))
-    except Exception:  # noqa: BLE001 -- reported to the test
-        out.put((rank, {"error": traceback.format_exc()}))
+    t = TorchDistTransport()
+    res = {}
+    x = torch.full((5,), float(rank + 1))
+    res["sum"] = t.wait(t.allreduce_async(x.clone(), "s")).tolist()
+    res["avg"] = t.wait(t.allreduce_async(x.clone(), "a", op="average", postscale=2.0)).tolist()
+    mine = (torch.arange(rank + 2, dtype=torch.float32) + 10 * rank).to(torch.bfloat16)
+    res["ag"] = t.wait(t.allgather_async(mine, "g")).float().tolist()
+    send = torch.cat([torch.full((j + 1,), 100.0 * rank + j) for j in range(size)]).to(torch.bfloat16)
+    got, rsplits = t.wait(t.alltoall_async(send, [j + 1 for j in range(size)], "t"))
+    res["a2a"], res["a2a_splits"], res["a2a_dtype"] = got.float().tolist(), rsplits, str(got.dtype)
+    b = torch.full((3,), float(rank), dtype=torch.bfloat16)
+    res["bc"] = t.wait(t.broadcast_async(b, 1, "b")).float().tolist()
+    res["objs"] = t.allgather_object({"r": rank}, "o")
+    res["bobj"] = t.broadcast_object("root" if rank == 0 else None, 0, "bo")
+    res["runs"] = {}
+    for spec in SPECS:
+        run = run_on(t, spec, grads(size), rank)
+        res["runs"][spec] = ([{n: g.tolist() for n, g in step.items()} for step in run.results], run.routes)
+    return res
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("size", [2, 3])
 def test_torch_distributed_transport(size):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, size, port, out)) for r in range(size)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=200) for _ in range(size))
-    for p in procs:
-        p.join(timeout=30)
-    for r in range(size):
-        assert "error" not in got[r], got[r].get("error")
+    got = spawn_gloo(_worker, size)
     total = sum(range(1, size + 1))
     ref = run_pipeline_all(size)
     for r in range(size):
