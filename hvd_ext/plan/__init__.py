@@ -130,7 +130,7 @@ def tensor_shapes(model: Union[int, Sequence[int], Any]) -> List[tuple]:
     return shapes
 
 
-def auto_row(rows: List[Row], shapes: Sequence[tuple], compute_s: float, c: Cluster, bucket_bytes: int,
+def auto_row(shapes: Sequence[tuple], compute_s: float, c: Cluster, bucket_bytes: int,
              candidates: Sequence[str] = DEFAULT_CANDIDATES) -> tuple:
     """What ``auto`` would pick per bucket: each candidate on its fastest route, then the most
     accurate within ``slack`` of the fastest's share of the step (the rule of
@@ -216,7 +216,7 @@ def predict_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster, methods:
         rows += codec_rows(spec, shapes, compute_s, c, bucket_bytes)
     picks = {}
     if with_auto:
-        r, picks = auto_row(rows, shapes, compute_s, c, bucket_bytes)
+        r, picks = auto_row(shapes, compute_s, c, bucket_bytes)
         rows.append(r)
     return rows, picks
 
