@@ -30,6 +30,17 @@ def _worker(rank, size, mode):
             res["error"] = None
         except ValueError as e:
             res["error"] = str(e)
+    elif mode == "auto":
+        model = DDP(small_model())
+        state = hddp.register(model, "auto:warmup=2,every=3")
+        res["grads"] = []
+        for step in range(6):
+            x, y = small_batch(rank, step)
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            res["grads"].append([p.grad.clone() for p in model.parameters()])
+        auto = next(iter(state.pipelines.values()))[0].auto
+        res["decisions"], res["choice"] = len(auto.decisions), auto.report()["choice"]
     elif mode == "resume":
         def grads_at(model, step):
             x, y = small_batch(rank, step)
@@ -137,3 +148,11 @@ def test_ddp_hook_checkpoint_resumes_bit_exact():
         for spec in SPECS:
             whole, resumed = got[r][spec]["whole"], got[r][spec]["resumed"]
             assert all(torch.equal(whole[n], resumed[n]) for n in whole), spec
+
+
+@pytest.mark.timeout(300)
+def test_ddp_hook_runs_auto():
+    got = _run(2, "auto")
+    assert got[0]["decisions"] >= 1 and got[0]["choice"] == got[1]["choice"]
+    for a, b in zip(got[0]["grads"], got[1]["grads"]):  # rank 0's choice for all: identical gradients
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
