@@ -38,6 +38,7 @@ from .exchange.core import Exchange
 from .exchange.torch_transport import TorchDistTransport
 from .pipeline import GradientPipeline
 from .spec import compression_from_spec
+from .world import fingerprint_mismatch
 
 BIG = 1 << 62  # one hvd_ext bucket per DDP bucket: DDP already chose the buckets
 
@@ -77,13 +78,10 @@ class HookState:
     def _agree(self, bucket) -> None:
         mine = {"spec": self.spec, "index": bucket.index(),
                 "tensors": [(tuple(g.shape), str(g.dtype)) for g in bucket.gradients()]}
-        every = self.exchange.allgather_object(mine, "hvd_ext.ddp.config")
-        for r, theirs in enumerate(every):
-            if theirs != mine:
-                key = next(k for k in mine if theirs.get(k) != mine[k])
-                raise ValueError(f"hvd_ext.ddp: ranks are configured differently: {key} is {mine[key]!r} on rank "
-                                 f"{self.exchange.rank} and {theirs[key]!r} on rank {r}; every rank must register "
-                                 "the same spec on the same model")
+        msg = fingerprint_mismatch(self.exchange.allgather_object(mine, "hvd_ext.ddp.config"), "hvd_ext.ddp hook",
+                                   "checked at the first bucket: register the same spec on the same model")
+        if msg is not None:
+            raise ValueError(msg)
         self._agreed = True
 
     def pipeline(self, bucket) -> Tuple[GradientPipeline, List[torch.nn.Parameter], List[torch.Tensor]]:

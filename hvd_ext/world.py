@@ -100,7 +100,9 @@ def _short(v, limit: int = 160) -> str:
     return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
-def fingerprint_mismatch(fingerprints: List[Dict[str, Any]], what: str = "hvd_ext.DistributedOptimizer") -> Optional[str]:
+def fingerprint_mismatch(fingerprints: List[Dict[str, Any]], what: str = "hvd_ext.DistributedOptimizer",
+                         when: str = "checked once, at construction; under Horovod elastic at the first exchange "
+                                     "after each reset") -> Optional[str]:
     """None when every rank's fingerprint equals rank 0's; else a message naming the first key
     that differs, the ranks and both values (lists: the first differing entry)."""
     ref = fingerprints[0]
@@ -120,8 +122,7 @@ def fingerprint_mismatch(fingerprints: List[Dict[str, Any]], what: str = "hvd_ex
                 y = b[i] if i < len(b) else "(none)"
                 detail += f"first difference at entry {i}: rank 0 has {_short(x)}, rank {r} has {_short(y)}"
             return (f"{what}: ranks are configured differently ({key}: {detail}); every rank must pass "
-                    f"the same configuration (checked once, at construction; under Horovod elastic at the "
-                    f"first exchange after each reset)")
+                    f"the same configuration ({when})")
     extra = sorted({k for fp in fingerprints for k in fp} - set(ref))
     if extra:
         return f"{what}: ranks are configured differently (keys {extra} set on some ranks only)"

@@ -23,7 +23,7 @@ from ..auto import AUTO_OPTIONS, DEFAULT_CANDIDATES, most_accurate_within
 from ..exchange import cost
 from ..optimizer import DEFAULT_BUCKET_BYTES
 from . import presets
-from .model import HOROVOD_ROWS, Cluster, Row, codec_rows, horovod_rows, make_row, numel_of
+from .model import Cluster, Row, codec_rows, horovod_rows, make_row, numel_of
 
 DEFAULT_METHODS = ("fp16", "qsgd:bits=8", "qsgd:bits=4", "topk:ratio=0.01", "efsignsgd", "powersgd:rank=4",
                    "qdist:bits=3")
@@ -276,4 +276,4 @@ def plan(model, compute_s: Optional[float] = None, cluster: Union[str, presets.C
     return Plan(rows, compute_s, c, inputs, picks, list(shapes), bucket_bytes)
 
 
-__all__ = ["Plan", "plan", "DEFAULT_METHODS", "HOROVOD_ROWS"]
+__all__ = ["Plan", "plan", "DEFAULT_METHODS"]

@@ -29,14 +29,12 @@ import torch
 from ..compression.base import Compressor
 from ..exchange import cost
 from ..exchange.core import frame_size
-from ..exchange.routes import estimated_payload_bytes
+from ..exchange.routes import codec_node_aware_reason, estimated_payload_bytes
 from ..exchange.routes.twophase import segments
 from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
 from ..spec import compression_from_spec
 
 HOROVOD_FUSION_BYTES = 64 * 1024 * 1024  # HOROVOD_FUSION_THRESHOLD's default
-HOROVOD_ROWS = ("horovod", "horovod fp16", "horovod hierarchical")
-FLAT_ROUTES = ("allreduce", "allgather", "twophase", "sparse_rs")
 ROUTE_COLLECTIVES = {"allreduce": ("allreduce",), "allgather": ("allgather",),
                      "twophase": ("alltoall", "allgather"), "sparse_rs": ("alltoall", "allgather")}
 
@@ -191,16 +189,14 @@ def horovod_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster) -> List[
 
 def codec_routes(comp: Compressor, c: Cluster) -> List[str]:
     """The routes ``comp`` can take on this cluster: its flat ones, and the node-aware ones where
-    the exchange could carry it (:func:`hvd_ext.exchange.routes.node_aware_reason`'s static rules)."""
+    the exchange could carry it (:func:`hvd_ext.exchange.routes.codec_node_aware_reason`)."""
     if comp.collective == "allreduce":
         flat = ["allreduce"]
     else:
         flat = ["allgather", "sparse_rs" if comp.sparse else "twophase"]
     if comp.route in ("allgather", "twophase"):
         flat = [r for r in flat if (r == "allgather") == (comp.route == "allgather")]
-    node_ok = (c.nodes > 1 and c.local > 1 and comp.hierarchy != "flat"
-               and not (comp.collective == "allreduce" and not comp.shardable)
-               and (comp.feedback is None or comp.feedback.node_level))
+    node_ok = c.nodes > 1 and c.local > 1 and codec_node_aware_reason(comp) is None
     return flat + (["node:" + r for r in flat] if node_ok else [])
 
 

@@ -1,5 +1,5 @@
-"""hvd_ext.ddp: every codec family as a DDP communication hook over gloo, in real processes at 2 and
-3 ranks: the averaged gradients equal the hvd_ext pipeline's on the same inputs (the simulated
+"""hvd_ext.ddp: every codec family as a DDP communication hook over gloo, in real processes at 2, 3 and
+4 ranks: the averaged gradients equal the hvd_ext pipeline's on the same inputs (the simulated
 world's, which the Horovod path matches), a non-finite gradient on one rank skips the step on every
 rank, a rank configured differently fails on every rank, and the hook state checkpoints."""
 import pytest
@@ -99,7 +99,7 @@ def _run(size, mode):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [2, 3, 4])
 def test_ddp_hook_equals_the_pipeline(size):
     got = _run(size, "plain")
     for spec in SPECS:

@@ -1,5 +1,5 @@
 """TorchDistTransport: the exchange's collectives over torch.distributed (gloo, CPU) in real
-processes, at 2 and 3 ranks: each collective against its definition (bf16 included), and the real
+processes, at 2, 3 and 4 ranks: each collective against its definition (bf16 included), and the real
 gradient pipeline over it equal to the simulated world's result on every route (bit for bit, except
 a float32 allreduce, which gloo sums in its own order)."""
 import pytest
@@ -29,7 +29,8 @@ def _worker(rank, size):
     res["avg"] = t.wait(t.allreduce_async(x.clone(), "a", op="average", postscale=2.0)).tolist()
     mine = (torch.arange(rank + 2, dtype=torch.float32) + 10 * rank).to(torch.bfloat16)
     res["ag"] = t.wait(t.allgather_async(mine, "g")).float().tolist()
-    send = torch.cat([torch.full((j + 1,), 100.0 * rank + j) for j in range(size)]).to(torch.bfloat16)
+    # values exact in bf16 (8 significant bits)
+    send = torch.cat([torch.full((j + 1,), 10.0 * rank + j) for j in range(size)]).to(torch.bfloat16)
     got, rsplits = t.wait(t.alltoall_async(send, [j + 1 for j in range(size)], "t"))
     res["a2a"], res["a2a_splits"], res["a2a_dtype"] = got.float().tolist(), rsplits, str(got.dtype)
     b = torch.full((3,), float(rank), dtype=torch.bfloat16)
@@ -44,7 +45,7 @@ def _worker(rank, size):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [2, 3, 4])
 def test_torch_distributed_transport(size):
     got = spawn_gloo(_worker, size)
     total = sum(range(1, size + 1))
@@ -56,7 +57,7 @@ def test_torch_distributed_transport(size):
         want = [float(v) for q in range(size) for v in (torch.arange(q + 2) + 10 * q).tolist()]
         assert res["ag"] == want
         assert res["a2a_splits"] == [r + 1] * size and res["a2a_dtype"] == "torch.bfloat16"
-        assert res["a2a"] == [100.0 * q + r for q in range(size) for _ in range(r + 1)]
+        assert res["a2a"] == [10.0 * q + r for q in range(size) for _ in range(r + 1)]
         assert res["bc"] == [1.0] * 3
         assert res["objs"] == [{"r": q} for q in range(size)] and res["bobj"] == "root"
         for spec in SPECS:

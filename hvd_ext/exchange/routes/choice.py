@@ -44,6 +44,14 @@ def node_aware_reason(comp: Compressor, exchange: Optional[Exchange]) -> Optiona
     topo = exchange.topology() if exchange is not None else None
     if topo is None or not topo.multi_node:
         return "one node, one rank per node, or nodes of different sizes"
+    return codec_node_aware_reason(comp)
+
+
+def codec_node_aware_reason(comp: Compressor) -> Optional[str]:
+    """The codec's own part of :func:`node_aware_reason`: None when its payloads and feedback allow
+    the node-aware exchange on some cluster (the planner asks this without a job)."""
+    if comp.hierarchy == "flat":
+        return "hierarchy=flat"
     if comp.collective == "allreduce" and not comp.shardable:
         return f"'{comp.name}' payloads cannot be cut into shards"
     fb = comp.feedback
