@@ -15,14 +15,18 @@ peers a user would pick instead:
                     uncompressed fp32 allreduce (the reference for every ratio)
   horovod:fp16      the same with Horovod's own hvd.Compression.fp16
   none              hvd_ext.DistributedOptimizer without compression (our overhead over Horovod)
-  ddp               PyTorch DDP, gloo, launched with torchrun (benchmarks/ddp_train.py)
-  ddp-powersgd      DDP with torch's PowerSGD comm hook, rank 2 (start_powerSGD_iter=10)
+  ddp               PyTorch DDP, gloo, launched with torchrun (scripts/train.py --engine ddp)
+  ddp:fp16          DDP with torch's fp16_compress_hook
+  ddp:powersgd      DDP with torch's PowerSGD comm hook, rank 2 (start_powerSGD_iter=100, as
+                    hvd_ext's powersgd warm-up)
 
 Method syntax:
   horovod | horovod:fp16     -> scripts/train.py --plain-horovod [--compression fp16]
   COMPRESSION                e.g. topk:ratio=0.01,feedback=ewma  -> scripts/train.py --compression ...
   COMPRESSION@SYNC           e.g. none@local:period=8             -> ... --sync local:period=8
-  ddp | ddp-powersgd[:rank=R,start=S]
+  ddp | ddp:HOOK[:rank=R,start=S]  DDP's own hooks: allreduce, fp16, bf16, powersgd, batched_powersgd
+  ddp+COMPRESSION            hvd_ext's codec on DDP's buckets (hvd_ext.ddp), e.g. ddp+auto, ddp+qsgd:bits=8
+  --ddp                      the DDP set (DDP_METHODS): DDP's hooks against hvd_ext on DDP
 
 Horovod jobs use `horovodrun --gloo` (TCP over the namespace's loopback, so the
 shaper applies); sync strategies that need MPI (`event`: one-sided parameter
@@ -41,7 +45,7 @@ defaults to benchmarks/results/compare (compare_quick with --quick). Logs of
 every job go to OUT_logs/ (per-step logs are deleted after a successful job).
 
 Heterogeneous runs: --slow-rank R --slow-factor F makes rank R's compute F
-times slower in every method (train.py and ddp_train.py sleep alike).
+times slower in every method (both engines of train.py sleep alike).
 
 Several nodes: --nodes M --ranks-per-node L runs every job on the multi-node
 testbed (scripts/shaped-cluster --nodes M --ranks-per-node L --inter RATE:
@@ -81,7 +85,10 @@ import common  # noqa: E402
 from common import ROOT, fmt, fmt_bytes  # noqa: E402
 
 REFERENCE = "horovod"
-BASELINES = [REFERENCE, "horovod:fp16", "none", "ddp", "ddp-powersgd:rank=2"]
+BASELINES = [REFERENCE, "horovod:fp16", "none", "ddp", "ddp:fp16", "ddp:powersgd:rank=2"]
+# PyTorch DDP: its own hooks, and hvd_ext's codecs on DDP's buckets (hvd_ext.ddp), in one run
+DDP_METHODS = ["ddp", "ddp:fp16", "ddp:powersgd:rank=2", "ddp:batched_powersgd:rank=2",
+               "ddp+auto", "ddp+topk:ratio=0.01", "ddp+qsgd:bits=8", "ddp+powersgd:rank=2"]
 FULL_METHODS = [
     # sparsification
     "topk:ratio=0.01", "topk:ratio=0.01,scope=model", "dgc:ratio=0.01,warmup_steps=250", "sig:ratio=0.01",
@@ -101,7 +108,7 @@ TARGETS = (0.90, 0.93, 0.94)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", default=None,
-                   help="methods to compare (baselines none, fp16, ddp, ddp-powersgd:rank=2 are always added)")
+                   help="methods to compare (the baselines in BASELINES are always added)")
     p.add_argument("--quick", action="store_true",
                    help=f"< 5 min: baselines + {' '.join(QUICK_METHODS)}, 2 epochs (unless given)")
     p.add_argument("--ranks", type=int, default=2)
@@ -120,7 +127,9 @@ def parse_args(argv=None):
     p.add_argument("--slow-rank", type=int, default=0, help="with --slow-factor: this rank computes slower")
     p.add_argument("--slow-factor", type=float, default=1.0,
                    help="heterogeneous run: the slow rank's compute takes this many times longer (all methods)")
-    p.add_argument("--ddp-powersgd-start", type=int, default=10, help="start_powerSGD_iter for DDP PowerSGD")
+    p.add_argument("--ddp-powersgd-start", type=int, default=100,
+                   help="start_powerSGD_iter for DDP's PowerSGD hooks (default 100: hvd_ext powersgd's warm-up)")
+    p.add_argument("--ddp", action="store_true", help="the DDP set: DDP's hooks and hvd_ext on DDP (DDP_METHODS)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per method (default 120 + 0.5 s/step)")
     p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/compare[_quick])")
     p.add_argument("--no-baselines", action="store_true", help="do not add the baselines (debugging only)")
@@ -144,7 +153,7 @@ def parse_args(argv=None):
     if a.target is None:
         a.target = 0.5 if a.quick else 0.93
     if a.methods is None:
-        a.methods = QUICK_METHODS if a.quick else FULL_METHODS
+        a.methods = DDP_METHODS if a.ddp else QUICK_METHODS if a.quick else FULL_METHODS
     if a.out is None:
         a.out = str(common.RESULTS / ("compare_quick" if a.quick else "compare"))
     if a.ranks < 1 or a.epochs < 1:
@@ -257,29 +266,19 @@ def _plan(method: str, a, workdir: Path):
     # --log is an ambiguous abbreviation to horovodrun's and torchrun's argparse: pass it via argv_shim.py
     env = {"BENCH_EXTRA_ARGS": json.dumps(["--log", str(step_log)])}
     shim = [common.PY, str(ROOT / "benchmarks" / "argv_shim.py")]
-    if method == "ddp" or method.startswith("ddp-powersgd"):
-        if a.nodes:
+    if method == "ddp" or method.startswith(("ddp:", "ddp+")):
+        comp = ddp_compression(method, a)
+        if comp is None:
             return {**base, "framework": "pytorch-ddp", "status": "skipped",
-                    "reason": "DDP is not launched across the multi-node testbed here"}
-        args = ["--hook", "allreduce"]
-        if method != "ddp":
-            opts = dict(rank="2", start=str(a.ddp_powersgd_start))
-            rest = method[len("ddp-powersgd"):]
-            if rest:
-                if not rest.startswith(":"):
-                    return {**base, "framework": "pytorch-ddp", "status": "skipped", "reason": f"bad DDP spec {method!r}"}
-                for kv in filter(None, rest[1:].split(",")):
-                    k, _, v = kv.partition("=")
-                    if k not in opts or not v.isdigit():
-                        return {**base, "framework": "pytorch-ddp", "status": "skipped",
-                                "reason": f"bad DDP PowerSGD option {kv!r} (rank=R,start=S)"}
-                    opts[k] = v
-            args = ["--hook", "powersgd", "--rank", opts["rank"], "--start-iter", opts["start"]]
+                    "reason": f"bad DDP method {method!r}: ddp, ddp:HOOK[:rank=R,start=S] or ddp+HVD_EXT_SPEC"}
+        args = ["--engine", "ddp", "--compression", comp]
         if a.slow_factor > 1.0:
             args += ["--slow-rank", str(a.slow_rank), "--slow-factor", str(a.slow_factor)]
-        cmd = (common.torchrun_launcher(a.ranks) + ["--no-python"] + shim + [str(ROOT / "benchmarks" / "ddp_train.py")]
-               + args + common_args)
-        return {**base, "framework": "pytorch-ddp", "launcher": "torchrun/gloo", "cmd": cmd, "json": out_json,
+        launch = ([str(ROOT / "scripts" / "torchrun-nodes")] if a.nodes
+                  else common.torchrun_launcher(a.ranks))
+        cmd = launch + ["--no-python"] + shim + [str(ROOT / "scripts" / "train.py")] + args + common_args
+        fw = "hvd_ext on pytorch-ddp" if method.startswith("ddp+") else "pytorch-ddp"
+        return {**base, "framework": fw, "launcher": "torchrun/gloo", "cmd": cmd, "json": out_json,
                 "steps_log": step_log, "env": env}
     if method in ("horovod", "horovod:none", "horovod:fp16", "horovod:hier"):
         comp = "fp16" if method.endswith("fp16") else "none"
@@ -325,6 +324,22 @@ def _plan(method: str, a, workdir: Path):
     fw = "horovod+hvd_ext"
     return {**base, "framework": fw, "launcher": f"horovodrun/{launcher}" if launcher == "gloo" else "mpirun/tcp",
             "cmd": cmd, "json": out_json, "steps_log": step_log, "env": env}
+
+
+def ddp_compression(method: str, a):
+    """scripts/train.py --engine ddp's --compression for a DDP method, or None when malformed:
+    ``ddp`` -> DDP's allreduce; ``ddp:HOOK[...]`` -> DDP's own hook (PowerSGD's ``start`` defaults
+    to --ddp-powersgd-start); ``ddp+SPEC`` -> the hvd_ext codec SPEC on DDP's buckets."""
+    if method == "ddp":
+        return "ddp:allreduce"
+    if method.startswith("ddp+"):
+        return method[4:] or None
+    hook, _, opts = method[4:].partition(":")
+    if hook not in ("allreduce", "fp16", "bf16", "powersgd", "batched_powersgd"):
+        return None
+    if "powersgd" in hook and "start=" not in opts:
+        opts = ",".join(filter(None, [opts, f"start={a.ddp_powersgd_start}"]))
+    return f"ddp:{hook}" + (f":{opts}" if opts else "")
 
 
 def time_to(history, target):
@@ -530,6 +545,7 @@ def markdown(doc) -> str:
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     if cfg.get("nodes"):
         lines += node_summary(doc)
+    lines += ddp_summary(doc)
     if skipped:
         lines += ["", "Not measured:", ""]
         lines += [f"- `{e['method']}`: {e['status']} — {e.get('reason', '')}" for e in skipped]
@@ -542,6 +558,36 @@ def markdown(doc) -> str:
             cells = [f"{100 * h['test_acc']:.1f}% @ {h['train_time_s']:.1f}s" for h in e["result"]["history"]]
             lines.append(f"| `{e['method']}` | " + " | ".join(cells + [""] * (n - len(cells))) + " |")
     return "\n".join(lines) + "\n"
+
+
+DDP_PAIRS = [  # (hvd_ext on DDP, the DDP baseline(s) it is held against: the faster of several)
+    ("ddp+powersgd:rank=2", ["ddp:powersgd:rank=2"]),
+    ("ddp+auto", ["ddp", "ddp:fp16"]),
+    ("ddp+auto", ["ddp"]),
+    ("ddp+topk:ratio=0.01", ["ddp", "ddp:fp16"]),
+    ("ddp+qsgd:bits=8", ["ddp", "ddp:fp16"]),
+]
+
+
+def ddp_summary(doc):
+    """hvd_ext on DDP against DDP's own hooks of the same run: step-time ratio and accuracy gap."""
+    ok = {e["method"]: e["result"] for e in doc["methods"] if e["status"] == "ok"}
+    rows = []
+    for mine, refs in DDP_PAIRS:
+        have = [r for r in refs if r in ok]
+        if mine not in ok or not have:
+            continue
+        ref = min(have, key=lambda m: ok[m]["ms_per_step"])
+        r, rr = ok[mine], ok[ref]
+        rows.append(f"| `{mine}` | {' / '.join(f'`{m}`' for m in refs)} -> `{ref}` | "
+                    f"{r['ms_per_step'] / rr['ms_per_step']:.2f}x | "
+                    f"{100 * (r['test_acc'] - rr['test_acc']):+.2f} pt | "
+                    f"{rr['bytes_sent_per_step'] / max(r['bytes_sent_per_step'], 1):.1f}x |")
+    if not rows:
+        return []
+    return ["", "hvd_ext on PyTorch DDP (`hvd_ext.ddp`) against DDP's own hooks in this run "
+            "(against the faster baseline where two are named):", "",
+            "| hvd_ext on DDP | against | step time ratio | accuracy | fewer bytes |", "|---|---|---|---|---|"] + rows
 
 
 def node_aware_pairs(doc):

@@ -2,6 +2,9 @@
 """Main job: data-parallel training of a 1-D CNN on MNIST-1D with hvd_ext.
 
     horovodrun -np 2 python scripts/train.py --compression topk:ratio=0.01 --epochs 8
+    torchrun --nproc_per_node 2 scripts/train.py --engine ddp --compression auto   # on PyTorch DDP
+
+The DDP engine lives in ``scripts/train_ddp.py`` (it also runs DDP's own hooks, ``ddp:fp16`` ...).
 
 Prints test accuracy, bytes on the wire per step (and the ratio to the dense
 fp32 gradient), ms per step and ms per step waiting on communication;
@@ -24,6 +27,8 @@ import torch.nn.functional as F  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", default="horovod", choices=["horovod", "ddp"],
+                   help="horovod (horovodrun/mpirun) or ddp (torchrun; scripts/train_ddp.py)")
     p.add_argument("--compression", default="none",
                    help="compressor spec, e.g. none, fp16, randomk:ratio=0.01 (see hvd_ext.list_compressors())")
     p.add_argument("--epochs", type=int, default=8)
@@ -96,6 +101,11 @@ def plain_horovod_optimizer(hvd, opt, model, compression, log_path):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.engine == "ddp":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import train_ddp
+
+        return train_ddp.main(args)
     import horovod.torch as hvd
 
     import hvd_ext

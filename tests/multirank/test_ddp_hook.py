@@ -94,6 +94,57 @@ def _worker(rank, size, mode):
     return res
 
 
+class TwoHeads(torch.nn.Module):
+    """A trunk and two heads; each step uses one head, so the other is unused (find_unused_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3), torch.nn.Linear(8, 3)
+
+    def forward(self, x, head):
+        return getattr(self, head)(torch.relu(self.trunk(x)))
+
+
+UNUSED_SPECS = ["none", "topk:ratio=0.3,exchange=allgather"]
+# (micro-batches of a step, each (head, synced?)): heads a, b, then two accumulated micro-batches, the
+# first under no_sync()
+UNUSED_STEPS = [[("a", True)], [("b", True)], [("a", False), ("a", True)]]
+
+
+def _unused_worker(rank, size):
+    """find_unused_parameters=True and gradient accumulation with no_sync(), per spec: each step's averaged
+    gradients on this rank, and the mean over ranks of the local (accumulated) gradients."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hvd_ext.ddp as hddp
+
+    res = {}
+    for spec in UNUSED_SPECS:
+        model, local = DDP(TwoHeads(), find_unused_parameters=True), TwoHeads()
+        hddp.register(model, spec)
+        steps = []
+        for t, micro in enumerate(UNUSED_STEPS):
+            model.zero_grad(set_to_none=True)
+            local.zero_grad(set_to_none=True)
+            for m, (head, synced) in enumerate(micro):
+                x, y = small_batch(rank, 10 * t + m)
+                with (model.no_sync() if not synced else torch.enable_grad()):
+                    torch.nn.functional.cross_entropy(model(x, head), y).backward()
+                torch.nn.functional.cross_entropy(local(x, head), y).backward()
+            mean = {}
+            for n, p in local.named_parameters():
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                parts = [torch.empty_like(g) for _ in range(size)]
+                dist.all_gather(parts, g)
+                mean[n] = torch.stack(parts).mean(0)
+            steps.append({"avg": {n: None if p.grad is None else p.grad.clone()
+                                  for n, p in model.module.named_parameters()}, "mean": mean})
+        res[spec] = steps
+    return res
+
+
 def _run(size, mode):
     return spawn_gloo(_worker, size, mode)
 
@@ -156,3 +207,23 @@ def test_ddp_hook_runs_auto():
     assert got[0]["decisions"] >= 1 and got[0]["choice"] == got[1]["choice"]
     for a, b in zip(got[0]["grads"], got[1]["grads"]):  # rank 0's choice for all: identical gradients
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("size", [2, 3])
+def test_ddp_hook_unused_parameters_and_no_sync(size):
+    """find_unused_parameters=True (a head unused per step) and accumulation under no_sync(): the hook
+    averages what DDP hands it -- the accumulated gradient, zeros for the unused head -- and the ranks agree."""
+    got = spawn_gloo(_unused_worker, size)
+    for spec in UNUSED_SPECS:
+        for t, micro in enumerate(UNUSED_STEPS):
+            unused = "b" if micro[0][0] == "a" else "a"
+            for r in range(size):
+                avg, mean = got[r][spec][t]["avg"], got[r][spec][t]["mean"]
+                for n, g in avg.items():
+                    if n.startswith(unused):
+                        assert g is None or float(g.abs().sum()) == 0.0, (spec, t, n)
+                        continue
+                    assert torch.equal(g, got[0][spec][t]["avg"][n]), (spec, t, n)  # every rank the same
+                    if spec == "none":  # uncompressed: the mean over ranks of the accumulated local gradients
+                        torch.testing.assert_close(g, mean[n], rtol=1e-5, atol=1e-7)

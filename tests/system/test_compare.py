@@ -16,7 +16,7 @@ def test_compare_plans_and_skips_unregistered():
 
     a = compare.parse_args(["--quick", "--methods", "nosuchcodec:ratio=0.1", "topk:ratio=5", "fp16"])
     methods = compare.method_list(a)
-    assert methods[:5] == ["horovod", "horovod:fp16", "none", "ddp", "ddp-powersgd:rank=2"]
+    assert methods[:6] == ["horovod", "horovod:fp16", "none", "ddp", "ddp:fp16", "ddp:powersgd:rank=2"]
     assert methods.count("fp16") == 1
     plans = {m: compare.plan(m, a, Path("/tmp")) for m in methods}
     assert plans["nosuchcodec:ratio=0.1"]["status"] == "skipped"
@@ -27,10 +27,25 @@ def test_compare_plans_and_skips_unregistered():
     assert "--plain-horovod" in plans["horovod"]["cmd"] and "--plain-horovod" not in plans["none"]["cmd"]
     i = plans["horovod:fp16"]["cmd"].index("--compression")
     assert plans["horovod:fp16"]["cmd"][i + 1] == "fp16"
-    assert "torchrun" in plans["ddp"]["cmd"][0] and "--hook" in plans["ddp-powersgd:rank=2"]["cmd"]
-    i = plans["ddp-powersgd:rank=2"]["cmd"].index("--rank")
-    assert plans["ddp-powersgd:rank=2"]["cmd"][i + 1] == "2"
+    # DDP rows: scripts/train.py --engine ddp under torchrun; DDP's own hooks and hvd_ext's codecs on DDP
+    def compression(plan):
+        cmd = plan["cmd"]
+        assert "torchrun" in cmd[0] and cmd[cmd.index("--engine") + 1] == "ddp"
+        return cmd[cmd.index("--compression") + 1]
 
+    assert compression(plans["ddp"]) == "ddp:allreduce"
+    assert compression(plans["ddp:powersgd:rank=2"]) == "ddp:powersgd:rank=2,start=100"
+    more = compare.parse_args(["--ddp", "--ddp-powersgd-start", "7"])
+    got = {m: compare.plan(m, more, Path("/tmp")) for m in compare.method_list(more)}
+    assert compression(got["ddp:batched_powersgd:rank=2"]) == "ddp:batched_powersgd:rank=2,start=7"
+    assert compression(got["ddp+qsgd:bits=8"]) == "qsgd:bits=8" and got["ddp+auto"]["framework"].startswith("hvd_ext")
+    assert compare.plan("ddp:nosuchhook", more, Path("/tmp"))["status"] == "skipped"
+    # the DDP summary holds hvd_ext on DDP against the faster DDP baseline of the same run
+    ok = lambda m, ms, acc: {"method": m, "status": "ok", "result": {"ms_per_step": ms, "test_acc": acc,  # noqa: E731
+                                                                    "bytes_sent_per_step": 100}}
+    md = "\n".join(compare.ddp_summary({"methods": [ok("ddp", 10.0, 0.9), ok("ddp:fp16", 8.0, 0.9),
+                                                      ok("ddp+auto", 8.4, 0.91)]}))
+    assert "`ddp+auto` | `ddp` / `ddp:fp16` -> `ddp:fp16` | 1.05x | +1.00 pt" in md
 
 def test_time_to_target_and_ratios():
     import compare
