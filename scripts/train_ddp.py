@@ -115,6 +115,8 @@ def register_hook(ddp, spec: str, seed: int):
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=o["rank"],
                                    start_powerSGD_iter=o["start"], min_compression_rate=2,
                                    use_error_feedback=True, warm_start=True, random_seed=seed)
+        if name == "batched_powersgd":
+            mend_batched_orthogonalize(psgd)
         fn = psgd.powerSGD_hook if name == "powersgd" else psgd.batched_powerSGD_hook
         ddp.register_comm_hook(state, meter.wrap(fn))
         return None, meter, f"ddp:{name}:rank={o['rank']},start={o['start']}"
@@ -122,6 +124,24 @@ def register_hook(ddp, spec: str, seed: int):
           "bf16": default_hooks.bf16_compress_hook}[name]
     ddp.register_comm_hook(None, meter.wrap(fn))
     return None, meter, f"ddp:{name}"
+
+
+def mend_batched_orthogonalize(psgd) -> None:
+    """torch's ``batched_powerSGD_hook`` hands ``_orthogonalize`` one 2-D matrix, which since the
+    batched rewrite of ``_orthogonalize`` (pytorch#75157) accepts only a batch of them and raises
+    AssertionError (torch 2.13). Where it does, give it the matrix as a batch of one: the same
+    orthogonalization, nothing else changed."""
+    try:
+        psgd._orthogonalize(torch.ones(4, 2))
+        return
+    except AssertionError:
+        pass
+    batched = psgd._orthogonalize
+
+    def orthogonalize(matrices, epsilon=0):
+        return batched(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+
+    psgd._orthogonalize = orthogonalize
 
 
 def sent_bytes(state, meter) -> int:
