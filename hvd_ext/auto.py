@@ -33,8 +33,9 @@ memory are not eligible (:mod:`hvd_ext.variance_freeze`); ``variance=freeze`` al
 **Memory:** candidates whose own feedback is residual (top-k, the sign codecs) share one residual
 error feedback (Seide et al. 2014; Karimireddy et al. 2019); lossless and unbiased ones (none, fp16,
 qsgd) run without one, as they do fixed. When a bucket's codec changes, what the old codec had not
-sent is released evenly over the next ``release`` exchanges: nothing is lost, and no single step
-takes it all at once.
+sent is released evenly over the next ``release`` exchanges: nothing is lost, and each step gets a
+small share (a top-k memory holds up to about 1/ratio steps of gradient; a short release after the
+trial jolts momentum SGD, docs/auto.md).
 
 Until the first decision (``warmup`` exchanges) every bucket is sent dense. A decision is re-taken
 every ``every`` exchanges, ``check`` exchanges after a codec that has not run before is chosen (to
@@ -85,7 +86,7 @@ AUTO_OPTIONS = {
                     help="exchanges between two checks of measured against predicted time"),
     "slack": Option(float, 0.05, "0 <= slack <= 10", lambda v: 0 <= v <= 10,
                     help="step time a more accurate candidate may cost over the fastest (fraction)"),
-    "release": Option(int, 16, "int >= 1", lambda v: v >= 1,
+    "release": Option(int, 128, "int >= 1", lambda v: v >= 1,
                       help="exchanges over which a replaced codec's memory is sent"),
     "margin": Option(float, 0.15, "0 <= margin < 1", lambda v: 0 <= v < 1,
                      help="predicted gain a new choice needs over the current one"),
