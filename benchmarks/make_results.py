@@ -216,6 +216,25 @@ def sec_compare_main(runs: List[Run], out_dir: Path) -> List[str]:
     return L
 
 
+def sec_compare_ddp(runs: List[Run], out_dir: Path) -> List[str]:
+    """``compare.py --ddp`` runs: every row, then hvd_ext on DDP against DDP's own hooks of the same run."""
+    L = []
+    for path, doc in runs:
+        cfg = doc["config"]
+        tabs = md_tables(detail_text(path, doc))
+        if not tabs:
+            continue
+        L += [f"{cfg['ranks']} ranks, {cfg['epochs']} epochs, loopback {cfg['rate']}; DDP runs under torchrun "
+              "(`scripts/train.py --engine ddp`), Horovod rows in the same run.", ""]
+        L += table(*columns(tabs[0], drop=("exchanges/epoch",)))
+        mine = next((t for t in tabs if t["header"] and t["header"][0] == "hvd_ext on DDP"), None)
+        if mine is not None:
+            L += ["", "hvd_ext on DDP against DDP's own hooks (the faster baseline where two are named):", ""]
+            L += table(mine["header"], mine["rows"])
+        L += ["", run_line(path, doc, out_dir, extra=plot_links(path, doc, out_dir)), ""]
+    return L
+
+
 def sec_compare_other(runs: List[Run], out_dir: Path) -> List[str]:
     keep = ["method", "final acc", "ms/step", "speed-up vs hvd", "bytes/step"]
     hdr, rows, links = None, [], []
@@ -480,6 +499,8 @@ def build(results: Path, out: Path, extra) -> str:
 
     main = take(lambda p, d: p.name in ("compare.json", "compare_quick.json") and is_compare(d))
     add("Training comparison — `compare.py` (MNIST-1D CNN, shaped loopback)", sec_compare_main(main, out_dir))
+    add("hvd_ext on PyTorch DDP against DDP's own hooks — `compare.py --ddp`",
+        sec_compare_ddp(take(lambda p, d: p.stem.startswith("compare_ddp") and is_compare(d)), out_dir))
     add("Other `compare.py` settings (straggler, node-aware testbed)",
         sec_compare_other(take(lambda p, d: is_compare(d)), out_dir))
     add("`compression=\"auto\"` against fixed codecs at several link rates — `auto_rates.py`",
