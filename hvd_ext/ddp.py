@@ -24,9 +24,12 @@ flag): the hook then leaves the bucket's gradient at zero on every rank and sets
 ``state.skip_step``, which the training loop checks before ``optimizer.step()`` (a DDP hook cannot
 skip the step itself).
 
-Not yet: the hook completes each bucket's exchange before it returns (its future is already done),
-so the exchange does not overlap the rest of backward as it does under Horovod; the routes' second
-phases would otherwise run on gloo's callback threads in an order the ranks need not share.
+Overlap. Each bucket's hook compresses it and starts its first collective (asynchronous work
+handles of :class:`~hvd_ext.exchange.torch_transport.TorchDistTransport`) and returns a pending
+future, so DDP's backward goes on computing the next buckets while this one is on the wire. The
+hook of the last bucket (``bucket.is_last()``) finishes every started bucket in the order they
+started -- second phases of the two-phase and node-aware routes included -- so every rank makes
+the same collectives in the same order, as ``synchronize()`` does under Horovod.
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ class HookState:
         self._pending: Dict[int, Dict[str, Any]] = {}
         self._agreed = False
         self.layout: Dict[int, List[int]] = {}  # bucket index -> id() of its parameters, in the pipeline's order
+        self.waiting: List[Tuple[GradientPipeline, torch.Tensor, Any]] = []  # started, not finished, in order
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -75,6 +79,25 @@ class HookState:
                 self._pending[int(i)] = bsd
 
     # ---- per bucket ------------------------------------------------------------------------
+    def finish_waiting(self) -> None:
+        """Finish every started bucket in the order they started (the same on every rank), write the
+        averages into DDP's buffers and complete their futures. A bucket with a non-finite gradient on
+        some rank is left at zero on every rank and ``skip_step`` set."""
+        waiting, self.waiting = self.waiting, []
+        try:
+            for pipe, buf, fut in waiting:
+                if pipe.finish():
+                    buf.zero_()
+                    if not self.skip_step:
+                        self.skipped_steps += 1
+                    self.skip_step = True
+                fut.set_result(buf)
+        except BaseException as e:
+            for _, _, fut in waiting:
+                if not fut.done():
+                    fut.set_exception(e)
+            raise
+
     def _agree(self, bucket) -> None:
         mine = {"spec": self.spec, "index": bucket.index(),
                 "tensors": [(tuple(g.shape), str(g.dtype)) for g in bucket.gradients()]}
@@ -130,7 +153,9 @@ def aligned_parameters(bucket) -> List[torch.Tensor]:
 
 
 def hook(state: HookState, bucket):  # unannotated: DDP checks a return annotation literally
-    """The DDP communication hook (see module doc): a completed ``torch.futures.Future`` of the bucket."""
+    """The DDP communication hook (see module doc): compresses the bucket and starts its exchange,
+    returning a pending ``torch.futures.Future``; the last bucket of the backward pass finishes every
+    pending one, in bucket order, and completes their futures."""
     if not state._agreed:
         state._agree(bucket)
     if bucket.index() == 0:
@@ -138,14 +163,11 @@ def hook(state: HookState, bucket):  # unannotated: DDP checks a return annotati
     pipe, shadows, grads = state.pipeline(bucket)
     for s, g in zip(shadows, grads):
         s.grad = g  # views of the bucket's buffer: the pipeline writes the average into them
-    pipe.flush()
-    if pipe.finish():
-        bucket.buffer().zero_()
-        if not state.skip_step:
-            state.skipped_steps += 1
-        state.skip_step = True
+    pipe.flush()  # compressed, first collective started (asynchronous): backward goes on meanwhile
     fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(bucket.buffer())
+    state.waiting.append((pipe, bucket.buffer(), fut))
+    if bucket.is_last():
+        state.finish_waiting()
     return fut
 
 

@@ -145,6 +145,51 @@ def _unused_worker(rank, size):
     return res
 
 
+MULTI_SPECS = ["none", "qsgd:bits=4,exchange=twophase", "topk:ratio=0.1,exchange=allgather"]
+
+
+def _multi_bucket_worker(rank, size):
+    """Several DDP buckets: for each spec, whether each bucket's future was still pending when its hook
+    returned (all but the last: the exchange overlaps backward), the averaged and the local gradients."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hvd_ext.ddp as hddp
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                   torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+
+    res = {}
+    for spec in MULTI_SPECS:
+        model, local = DDP(net(), bucket_cap_mb=0.02), net()  # 20 kB buckets: one 64x64 layer each
+        state, hook = hddp.comm_hook(spec)
+        pending = []
+
+        def watching(st, bucket):
+            fut = hook(st, bucket)
+            pending.append((bucket.index(), bucket.is_last(), fut.done()))
+            return fut
+
+        model.register_comm_hook(state, watching)
+        steps = []
+        for t in range(3):
+            x, y = small_batch(rank, t)
+            model.zero_grad()
+            local.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            torch.nn.functional.cross_entropy(local(x), y).backward()
+            mean = []
+            for p in local.parameters():
+                parts = [torch.empty_like(p.grad) for _ in range(size)]
+                dist.all_gather(parts, p.grad)
+                mean.append(torch.stack(parts).mean(0))
+            steps.append({"avg": [p.grad.clone() for p in model.parameters()], "mean": mean})
+        res[spec] = {"steps": steps, "pending": pending, "buckets": len(state.layout)}
+    return res
+
+
 def _run(size, mode):
     return spawn_gloo(_worker, size, mode)
 
@@ -227,3 +272,24 @@ def test_ddp_hook_unused_parameters_and_no_sync(size):
                     assert torch.equal(g, got[0][spec][t]["avg"][n]), (spec, t, n)  # every rank the same
                     if spec == "none":  # uncompressed: the mean over ranks of the accumulated local gradients
                         torch.testing.assert_close(g, mean[n], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("size", [2, 3])
+def test_ddp_hook_overlaps_buckets_and_finishes_them_in_order(size):
+    """Several DDP buckets: every bucket but the last returns a pending future (its exchange runs while
+    backward goes on); the last finishes them all. The averages are the same on every rank, and for
+    `none` equal the mean of the local gradients."""
+    got = spawn_gloo(_multi_bucket_worker, size)
+    for spec in MULTI_SPECS:
+        run = got[0][spec]
+        assert run["buckets"] >= 2, run["buckets"]
+        for index, last, done in run["pending"]:
+            assert done == last, (spec, index, last, done)  # pending until the last bucket's hook
+        for t in range(3):
+            for r in range(size):
+                for mine, ref in zip(got[r][spec]["steps"][t]["avg"], run["steps"][t]["avg"]):
+                    assert torch.equal(mine, ref), (spec, t, r)
+            if spec == "none":
+                for mine, mean in zip(run["steps"][t]["avg"], run["steps"][t]["mean"]):
+                    torch.testing.assert_close(mine, mean, rtol=1e-5, atol=1e-7)
