@@ -9,8 +9,10 @@ For each (N, rate) one job (``horovodrun --gloo`` in a shaped namespace, ``scrip
 
 1. ``hvd_ext.plan.calibration.measure`` calibrates the job: the flat link (across nodes: the intra
    and inter links), codec speeds on this CPU
-   with the ranks running at once (so ranks that share cores share them here too), and the
-   compute time of the main job's CNN step without any exchange;
+   with the ranks running at once (so ranks that share cores share them here too), the
+   compute time of the main job's CNN step without any exchange, and each collective's cost
+   right after that step (``busy_lat_by_kind``: waiting for the slowest rank and, with ranks
+   sharing cores, for the scheduler);
 2. the methods take turns, ``--rounds`` rounds of ``--steps`` steps (as ``overhead.py``), so this
    machine's drift hits them alike; measured: median ms/step, bytes sent per rank per step;
 3. ``hvd_ext.plan.plan`` predicts every method from that calibration, on the route the job took;
@@ -65,8 +67,9 @@ def worker(args) -> None:
         elif m.startswith("horovod"):
             comp = hvd.Compression.fp16 if m.endswith("fp16") else hvd.Compression.none
             opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
-        else:
-            opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=m)
+        else:  # across nodes, the route the model picks from the start (no flat / node-aware trial in the timing)
+            spec = m + (",hierarchy_trial=0" if hvd.cross_size() > 1 else "")
+            opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=spec)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return model, opt
 

@@ -6,7 +6,8 @@ Format (JSON)::
 
     {"version": 1, "ranks": N, "nodes": M, "local": L, "device": "cuda" | "cpu",
      "links": {"flat":  {"lat": s per allreduce, "bandwidth": B/s,     # this world's allreduce
-                         "lat_by_kind": {"allreduce": s, "allgather": s, "alltoall": s}},  # optional
+                         "lat_by_kind": {"allreduce": s, "allgather": s, "alltoall": s},  # optional
+                         "busy_lat_by_kind": {...}},  # optional: the same right after a step
                "intra": {"alpha": s per message, "bandwidth": B/s},     # inside a node
                "inter": {"alpha": ..., "bandwidth": ...}},              # between nodes (M > 1)
      "codec": {"<spec>": elements per second of one encode or decode pass, ...},
@@ -55,10 +56,11 @@ def load(path: str) -> Dict[str, Any]:
             if not isinstance(link, dict) or any(not isinstance(link.get(k), (int, float)) or link[k] < 0
                                                  for k in need) or link["bandwidth"] <= 0:
                 raise _bad(path, f"links.{name} needs {' and '.join(need)} (numbers, bandwidth > 0)")
-    kinds = links.get("flat", {}).get("lat_by_kind", {})
-    if not isinstance(kinds, dict) or any(k not in COLLECTIVES or not isinstance(v, (int, float)) or v < 0
-                                          for k, v in kinds.items()):
-        raise _bad(path, f"links.flat.lat_by_kind maps {', '.join(COLLECTIVES)} to seconds >= 0")
+    for key in ("lat_by_kind", "busy_lat_by_kind"):
+        kinds = links.get("flat", {}).get(key, {})
+        if not isinstance(kinds, dict) or any(k not in COLLECTIVES or not isinstance(v, (int, float)) or v < 0
+                                              for k, v in kinds.items()):
+            raise _bad(path, f"links.flat.{key} maps {', '.join(COLLECTIVES)} to seconds >= 0")
     for spec, v in cal.get("codec", {}).items():
         if not isinstance(v, (int, float)) or v <= 0:
             raise _bad(path, f"codec speed of {spec!r} must be a number > 0, got {v!r}")

@@ -204,7 +204,9 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
     codec.update((calibration or {}).get("codec", {}))
     fixed = dict((calibration or {}).get("codec_fixed_s", {}))
     same_world = (nodes, local) == ((calibration or {}).get("nodes"), (calibration or {}).get("local"))
-    lat = dict(links.get("flat", {}).get("lat_by_kind", {})) if same_world else {}  # measured for this world only
+    flat = links.get("flat", {})
+    # measured for this world only; inside a step (after compute) where the calibration timed it there
+    lat = dict(flat.get("busy_lat_by_kind") or flat.get("lat_by_kind") or {}) if same_world else {}
     return Cluster(nodes, local, intra, inter, codec, codec_on_compute=device == "cpu", codec_fixed=fixed,
                    collective_lat=lat), device
 

@@ -14,7 +14,10 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
   (16k elements) and a ``codec_numel``-element gradient on this rank's device (CUDA when there is
   one), CUDA events around the work: a fixed cost per pass and elements per second, the ranks' mean;
 * **compute** -- only when a ``step`` callable is given to :func:`measure` (the API): the median of
-  its timed calls.
+  its timed calls; and then also each kind of collective **in a step** (``busy_lat_by_kind``): a
+  small allreduce, allgather and alltoall timed right after every rank ran ``step`` -- what a
+  collective costs in training, where it waits for the slowest rank's compute and, when ranks share
+  cores, for the scheduler to run every rank's part in turn. The planner uses these when present.
 
 Every rank runs the same collectives in the same order; rank 0 writes the file.
 """
@@ -129,6 +132,29 @@ def _measure_compute(job: _Job, step: Callable[[], Any], steps: int) -> float:
     return job.mean([statistics.median(times[1:] or times)])[0]
 
 
+def _measure_busy_latency(job: _Job, step: Callable[[], Any], steps: int) -> Dict[str, float]:
+    """Each kind of collective's seconds right after a ``step`` on every rank (the ranks' mean of
+    the median over ``steps`` tries): the fixed cost a collective has inside a training step."""
+    top, N = job.top, job.N
+    small = torch.zeros(SMALL, device=job.device)
+    splits = [SMALL // N] * (N - 1) + [SMALL - (N - 1) * (SMALL // N)]
+    run = {"allreduce": lambda: job.allreduce(small, "hvd_ext.calibrate.busy.ar"),
+           "allgather": lambda: top.wait(top.allgather_async(small, "hvd_ext.calibrate.busy.ag")),
+           "alltoall": lambda: top.wait(top.alltoall_async(small, splits, "hvd_ext.calibrate.busy.a2a"))}
+    medians = []
+    for kind in calibration.COLLECTIVES:
+        times = []
+        for _ in range(steps):
+            step()
+            if job.device.type == "cuda":
+                torch.cuda.synchronize(job.device)
+            t0 = time.perf_counter()
+            run[kind]()
+            times.append(time.perf_counter() - t0)
+        medians.append(statistics.median(times))
+    return dict(zip(calibration.COLLECTIVES, job.mean(medians)))
+
+
 def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
             step: Optional[Callable[[], Any]] = None, steps: int = 10) -> Dict[str, Any]:
     """The calibration of this job's world (collective over Horovod's global set, through
@@ -151,6 +177,7 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
                            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     if step is not None:
         out["compute_s"] = _measure_compute(job, step, steps)
+        links["flat"]["busy_lat_by_kind"] = _measure_busy_latency(job, step, steps)
     return out
 
 

@@ -105,6 +105,24 @@ def test_calibration_file_feeds_plan_and_auto(tmp_path, monkeypatch):
     assert calibration.node_model(loaded) is None  # one node: no inter link
 
 
+def test_collectives_timed_inside_a_step_replace_the_idle_ones():
+    """A calibration's busy_lat_by_kind (collectives right after a step: the slowest rank, shared cores)
+    is what each collective of a route costs in the prediction, where the world is the calibrated one."""
+    idle = {"allreduce": 1e-4, "allgather": 1e-4, "alltoall": 1e-4}
+    busy = {"allreduce": 0.03, "allgather": 0.02, "alltoall": 0.04}
+    cal = {"version": 1, "ranks": 4, "nodes": 1, "local": 4, "device": "cpu", "compute_s": 0.02,
+           "links": {"flat": {"lat": 1e-4, "bandwidth": 1e9, "lat_by_kind": idle},
+                     "intra": {"alpha": 3e-5, "bandwidth": 1e9}}}
+    kw = dict(cluster=None, nodes=1, methods=["qsgd:bits=8"], breakeven_search=False)
+    before = plan(1_000_000, calibration=cal, **kw)
+    after = plan(1_000_000, calibration={**cal, "links": {**cal["links"], "flat": {**cal["links"]["flat"],
+                                                                                   "busy_lat_by_kind": busy}}}, **kw)
+    two = after.row("qsgd:bits=8", "twophase").step_s - before.row("qsgd:bits=8", "twophase").step_s
+    one = after.row("horovod").step_s - before.row("horovod").step_s
+    assert two == pytest.approx(0.04 + 0.02 - 2e-4, rel=1e-6)  # an alltoall and an allgather per bucket
+    assert one == pytest.approx(0.03 - 1e-4, rel=1e-6)  # Horovod: one fused allreduce
+
+
 @pytest.mark.parametrize("content,needle", [
     ("{not json", "is not JSON"),
     ({"version": 2}, "version must be 1"),
@@ -112,6 +130,8 @@ def test_calibration_file_feeds_plan_and_auto(tmp_path, monkeypatch):
     ({"version": 1, "codec": {"topk": 0}}, "codec speed of 'topk'"),
     ({"version": 1, "links": {"flat": {"lat": 1e-4, "bandwidth": 1e8, "lat_by_kind": {"bcast": 1e-4}}}},
      "lat_by_kind maps allreduce, allgather, alltoall"),
+    ({"version": 1, "links": {"flat": {"lat": 1e-4, "bandwidth": 1e8, "busy_lat_by_kind": {"allreduce": -1}}}},
+     "busy_lat_by_kind maps allreduce, allgather, alltoall"),
 ])
 def test_bad_calibration_file_says_what_is_wrong(tmp_path, content, needle):
     with pytest.raises(ValueError, match=needle):
