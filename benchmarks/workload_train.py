@@ -80,29 +80,6 @@ def parse_args(argv=None):
     return a
 
 
-def schedule_table(max_lr: float, cycle: bool, points: int = 1000):
-    """(lr, momentum) of the one-cycle schedule at ``points`` evenly spaced fractions of training."""
-    p = torch.nn.Parameter(torch.zeros(1))
-    o = torch.optim.SGD([p], lr=max_lr, momentum=0.9)
-    s = torch.optim.lr_scheduler.OneCycleLR(o, max_lr=max_lr, total_steps=points, cycle_momentum=cycle)
-    out = []
-    for _ in range(points):
-        out.append((o.param_groups[0]["lr"], o.param_groups[0]["momentum"]))
-        o.step()
-        if len(out) < points:
-            s.step()
-    return out
-
-
-def set_schedule(opt, table, frac: float) -> None:
-    """Put the optimizer at fraction ``frac`` of the one-cycle schedule (momentum only where it cycles)."""
-    lr, mom = table[min(int(frac * len(table)), len(table) - 1)]
-    for g in opt.param_groups:
-        g["lr"] = lr
-        if "momentum" in g and g.get("momentum", 0) > 0:
-            g["momentum"] = mom
-
-
 def main(argv=None):
     a = parse_args(argv)
     import horovod.torch as hvd
@@ -158,7 +135,7 @@ def main(argv=None):
     is_async = sync_factory.name == "event"
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=w.lr, total_steps=total_steps, cycle_momentum=cycle)
     budget = size * total_steps  # batches, all ranks together: the same for every method
-    table = schedule_table(w.lr, cycle) if is_async else None
+    schedule = hvd_ext.sync.GlobalOneCycle(opt, w.lr, cycle) if is_async else None
     has_bn = any(b.is_floating_point() for b in model.buffers())
     flat = FlatState(model, opt, buffers=False, momentum=False)
     slow_ranks = w.slow_rank if isinstance(w.slow_rank, tuple) else (w.slow_rank,)
@@ -189,7 +166,7 @@ def main(argv=None):
                 if g >= budget:
                     done = True
                     break
-                set_schedule(opt, table, g / budget)
+                schedule.at(g / budget)
             if shards is None:
                 idx = perm[(i * size + rank) * w.batch:(i * size + rank + 1) * w.batch]
             else:

@@ -32,6 +32,7 @@ from .event_triggered import EVENT_OPTIONS, EventTriggeredSGD, staleness_weight,
 from .local_sgd import LOCAL_OPTIONS, EverySync, LocalSGD
 from ._common import average_buffers, buffer_spread
 from .param_server import ParameterServer, init_horovod, require_mpi_controller
+from .schedule import GlobalOneCycle
 
 # spec key -> constructor keyword (short spellings used on the command line)
 _ALIASES = {
