@@ -52,6 +52,9 @@ def parse_args(argv=None):
                    help="sync strategy spec: every | local:period=8[,warmup=T] | adaptive:min=1,max=32 | "
                         "event:sigma=..,tau_min=..,tau_max=..,staleness=loss|inverse|none,gamma=.. "
                         "(event needs the MPI controller: horovodrun --mpi or mpirun)")
+    p.add_argument("--budget", default="rank", choices=["rank", "global"],
+                   help="rank: every rank takes --epochs epochs; global (--sync event only): --epochs of batches "
+                        "over all ranks together, a fast rank takes more steps and never waits for a slow one")
     p.add_argument("--slow-rank", type=int, default=-1, help="make this rank slower (see --slow-factor)")
     p.add_argument("--slow-factor", type=float, default=1.0, help="the slow rank's compute takes this many times longer")
     p.add_argument("--checkpoint", default=None, help="checkpoint file (model, optimizer, sync and server state)")
@@ -70,6 +73,9 @@ def parse_args(argv=None):
         p.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if args.plain_horovod and (args.compression not in ("none", "fp16") or args.sync != "every"):
         p.error("--plain-horovod runs Horovod's own optimizer: --compression none|fp16 and --sync every only")
+    if args.budget == "global" and (not args.sync.startswith("event") or args.checkpoint):
+        p.error("--budget global needs --sync event (the ranks' steps together come from its server) and no "
+                "--checkpoint (the ranks reach a step number at different times)")
     if (args.checkpoint_every or args.resume) and not args.checkpoint:
         p.error("--checkpoint-every/--resume need --checkpoint PATH")
     return args
@@ -173,16 +179,27 @@ def main(argv=None):
         if bar is not None:
             bar.update(start_step)
     slow = rank == args.slow_rank and args.slow_factor > 1.0
-    step_no = 0
-    for epoch in range(args.epochs):
+    # --budget global (asynchronous sync): batches over all ranks; a rank stops when the ranks' steps
+    # together reach it, its schedule read at that global progress (hvd_ext.sync.GlobalOneCycle)
+    budget = size * total_steps if args.budget == "global" else None
+    schedule = hvd_ext.sync.GlobalOneCycle(opt, args.lr, args.momentum > 0) if budget else None
+    step_no, epoch, done = 0, 0, False
+    while not done:
         perm = torch.randperm(len(x_train), generator=gen)
         if (epoch + 1) * steps_per_epoch <= start_step:
+            epoch += 1
             continue  # finished before the checkpoint (the permutation is still drawn: same data order)
         t_epoch = time.perf_counter()
         for i in range(steps_per_epoch):
             step_no = epoch * steps_per_epoch + i
             if step_no < start_step:
                 continue
+            if budget:
+                g = sync.global_steps()
+                if g >= budget:
+                    done = True
+                    break
+                schedule.at(g / budget)
             idx = perm[(i * size + rank) * args.batch:(i * size + rank + 1) * args.batch]
             t_compute = time.perf_counter()
             opt.zero_grad()
@@ -191,7 +208,8 @@ def main(argv=None):
             if slow:
                 time.sleep((args.slow_factor - 1.0) * (time.perf_counter() - t_compute))
             sync.step(loss)
-            sched.step()
+            if not budget:
+                sched.step()
             loss_val = loss.item()
             if args.checkpoint and args.checkpoint_every and (step_no + 1) % args.checkpoint_every == 0:
                 _save_checkpoint(args.checkpoint, hvd, step_no + 1, model, opt, sched, sync, history,
@@ -204,8 +222,10 @@ def main(argv=None):
                 if i % 20 == 0:
                     bar.set_postfix(loss=f"{loss_val:.3f}", epoch=epoch + 1)
         train_time += time.perf_counter() - t_epoch
+        epoch += 1
+        done = done or (not budget and epoch >= args.epochs)
         acc = accuracy(model, x_test, y_test)
-        history.append({"epoch": epoch + 1, "test_acc": acc, "train_time_s": train_time, "loss": loss_val})
+        history.append({"epoch": epoch, "test_acc": acc, "train_time_s": train_time, "loss": loss_val})
     if bar is not None:
         bar.close()
     t_fin = time.perf_counter()

@@ -112,3 +112,21 @@ def test_local_sgd_main_job_holds_its_accuracy(tmp_path):
         assert r["sync"].startswith("local:period=8")
         accs[seed] = r["test_acc"]
     assert min(accs.values()) >= 0.95, accs
+
+
+def test_main_job_global_budget_lets_the_fast_rank_step_on(tmp_path):
+    """``--sync event --budget global``: the budget is batches over both ranks; the rank that is not slowed
+    takes more steps than the one that is, and together they take the budget (plus at most the steps
+    not yet pushed to the server's board when each rank last read it)."""
+    js = tmp_path / "global.json"
+    rc, out = _run_train(["--sync", "event:tau_min=4,tau_max=12", "--budget", "global", "--epochs", "2",
+                          "--lr", "0.1", "--slow-rank", "1", "--slow-factor", "3", "--json", str(js)], timeout=240)
+    assert rc == 0, out[-4000:]
+    r = json.loads(js.read_text())
+    fast, slow = r["local_steps_per_rank"]
+    budget = 2 * r["steps"]
+    assert fast > 1.5 * slow, (fast, slow)
+    assert budget <= fast + slow <= budget + 2 * 12, (fast, slow, budget)
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--budget", "global"],
+                         capture_output=True, text=True, timeout=120, env=_env())
+    assert bad.returncode != 0 and "--budget global needs --sync event" in bad.stderr
