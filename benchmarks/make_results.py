@@ -442,6 +442,7 @@ def sec_workloads(summary: List[Run], workloads: List[Run], out_dir: Path) -> Li
 REPRODUCE = [
     "python benchmarks/compare.py --quick     # < 5 min: the main methods at 300 Mbit/s (root, iproute2)",
     "python benchmarks/compare.py             # every method, 8 epochs (~15-20 min on 2 cores)",
+    "python benchmarks/compare.py --ddp --rate 300mbit|unshaped  # DDP's hooks against hvd_ext on DDP",
     "python benchmarks/auto_rates.py          # auto against fixed codecs at 4 link rates",
     "python benchmarks/auto_trust.py          # auto in loops it was not tuned on, quiet and under load (hours)",
     "python benchmarks/convergence.py         # epochs to the target per method (MNIST-1D)",

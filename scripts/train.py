@@ -13,13 +13,13 @@ fp32 gradient), ms per step and ms per step waiting on communication;
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_ddp.py, the DDP engine
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -108,7 +108,6 @@ def plain_horovod_optimizer(hvd, opt, model, compression, log_path):
 def main(argv=None):
     args = parse_args(argv)
     if args.engine == "ddp":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         import train_ddp
 
         return train_ddp.main(args)
@@ -319,9 +318,9 @@ def main(argv=None):
                     f"{k} {v}" + (" (cut early)" if k in cut else "") for k, v in last["measured_period_ms"].items()))
         print(f"exchanges per rank    {exchanges_per_rank} (mean {result['exchanges']:.1f} over {total_steps} steps)")
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+            from train_ddp import write_json
+
+            write_json(args.json, result)
     opt.stats.close()
     sync.close()
     return result

@@ -264,7 +264,12 @@ def report(result, args) -> None:
     if result["skipped_steps"]:
         print(f"skipped steps         {result['skipped_steps']} (non-finite gradient on some rank)")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     sys.stdout.flush()
+
+
+def write_json(path: str, result) -> None:
+    """The run's summary as one JSON object (both engines of scripts/train.py)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)

@@ -107,7 +107,7 @@ def sync_from_spec(spec: str) -> SyncFactory:
     return SyncFactory(name, opts)
 
 
-__all__ = ["AdaptiveSync", "EventTriggeredSGD", "EverySync", "LocalSGD", "ParameterServer", "SyncFactory",
+__all__ = ["AdaptiveSync", "EventTriggeredSGD", "EverySync", "GlobalOneCycle", "LocalSGD", "ParameterServer", "SyncFactory",
            "average_buffers", "buffer_spread",
            "init_horovod", "list_sync", "momentum_divergence", "next_period", "require_mpi_controller", "staleness_weight",
            "sync_from_spec", "trigger", "ADAPTIVE_OPTIONS", "EVENT_OPTIONS", "LOCAL_OPTIONS"]
