@@ -27,6 +27,7 @@ Method syntax:
   ddp | ddp:HOOK[:rank=R,start=S]  DDP's own hooks: allreduce, fp16, bf16, powersgd, batched_powersgd
   ddp+COMPRESSION            hvd_ext's codec on DDP's buckets (hvd_ext.ddp), e.g. ddp+auto, ddp+qsgd:bits=8
   --ddp                      the DDP set (DDP_METHODS): DDP's hooks against hvd_ext on DDP
+                             (with --nodes, DDP jobs start one torchrun per node: scripts/torchrun-nodes)
 
 Horovod jobs use `horovodrun --gloo` (TCP over the namespace's loopback, so the
 shaper applies); sync strategies that need MPI (`event`: one-sided parameter

@@ -74,7 +74,7 @@ def _why_no_testbed():
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(_why_no_testbed() is not None, reason=_why_no_testbed() or "")
 def test_train_ddp_engine_across_testbed_nodes_with_torchrun_nodes(tmp_path):
-    """scripts/torchrun-nodes: one torchrun per testbed node (2 nodes x 2 ranks, c10d rendezvous on node1);
+    """scripts/torchrun-nodes: one torchrun per testbed node (2 nodes x 2 ranks, rendezvous on node1);
     hvd_ext's 8-bit codec on DDP takes the node-aware route the cost model picks across them (no measured
     trial: with 4 ranks on a 2-core machine the trial's timings could pick either route)."""
     out = tmp_path / "nodes.json"
