@@ -343,20 +343,11 @@ def _save_checkpoint(path, hvd, step, model, opt, sched, sync, history, config, 
             "sync": sync.state_dict()}
     per_rank = hvd.allgather_object(mine, name="train.ckpt.gather")  # every rank is at `step` now
     if hvd.rank() == 0:
-        ckpt = {"format": "hvd_ext.train/1", "config": config, "step": step, "ranks": hvd.size(),
-                "per_rank": per_rank, "server": sync.shared_state_dict(), "history": history,
-                "train_time_s": train_time}
-        tmp = f"{path}.tmp.{os.getpid()}"
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(ckpt, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        from train_ddp import atomic_save
+
+        atomic_save({"format": "hvd_ext.train/1", "config": config, "step": step, "ranks": hvd.size(),
+                     "per_rank": per_rank, "server": sync.shared_state_dict(), "history": history,
+                     "train_time_s": train_time}, path)
     hvd.barrier()  # nobody pushes to the server while rank 0 reads it
 
 
@@ -400,4 +391,7 @@ def _load_checkpoint(path, hvd, model, opt, sched, sync, config):
 
 
 if __name__ == "__main__":
-    main()
+    if main().get("engine") == "ddp":
+        import train_ddp
+
+        train_ddp.leave()

@@ -17,6 +17,10 @@ Measured per rank: bytes handed to the collectives per step (hvd_ext: its exchan
 DDP's hooks: every tensor passed to ``dist.all_reduce``), and the communication wait: from the
 last bucket's hook call (local backward is done then) until ``loss.backward()`` returns.
 A step whose gradient is non-finite on some rank is skipped on every rank (``state.skip_step``).
+
+``--checkpoint PATH [--checkpoint-every N] [--resume]``: rank 0 writes the model, optimizer, schedule
+and every rank's hook state (hvd_ext's error feedback and codec state differ per rank); a resumed run
+continues where the checkpoint left off (DDP's own PowerSGD hooks are refused: their state is not saved).
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 DDP_HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "batched_powersgd")
-HOROVOD_ONLY = {"plain_horovod": False, "sync": "every", "overlap": "auto", "checkpoint": None, "resume": False}
+HOROVOD_ONLY = {"plain_horovod": False, "sync": "every", "overlap": "auto", "budget": "rank"}
+FORMAT = "hvd_ext.train_ddp/1"
 
 
 def check_args(args) -> None:
@@ -49,6 +54,10 @@ def check_args(args) -> None:
             compression_from_spec(args.compression)
         except ValueError as e:
             raise SystemExit(f"train.py --engine ddp: --compression: {e}") from None
+    elif args.checkpoint and "powersgd" in args.compression:
+        raise SystemExit(f"train.py --engine ddp: --checkpoint with {args.compression!r}: DDP's PowerSGD state "
+                         "(its error feedback, its step count) is not saved; accepted: hvd_ext specs (their hook "
+                         "state is saved) and ddp:allreduce|fp16|bf16")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise SystemExit("train.py --engine ddp: start it with torchrun, e.g. "
                          "torchrun --nproc_per_node 2 scripts/train.py --engine ddp --compression auto")
@@ -144,25 +153,81 @@ def mend_batched_orthogonalize(psgd) -> None:
     psgd._orthogonalize = orthogonalize
 
 
+def save_checkpoint(path, step, model, opt, sched, state, history, train_time, config) -> None:
+    """Collective: rank 0 writes the model, optimizer and schedule (the same on every rank) and every
+    rank's hook state (error feedback differs per rank), atomically."""
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, state.state_dict() if state is not None else None)
+    if dist.get_rank() == 0:
+        atomic_save({"format": FORMAT, "config": config, "step": step, "ranks": len(per_rank),
+                     "model": model.state_dict(), "optimizer": opt.state_dict(), "sched": sched.state_dict(),
+                     "hook": per_rank, "history": history, "train_time_s": train_time}, path)
+    dist.barrier()  # the file is complete before any rank goes on (or is killed)
+
+
+def atomic_save(obj, path: str) -> None:
+    """``torch.save`` to a temporary file, then ``os.replace``: a crash mid-write leaves the previous file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_checkpoint(path, config, model, opt, sched, state):
+    """Every rank reads ``path`` (so a bad file fails every rank alike, before any collective) and
+    takes its parts; -> (step, history, train_time)."""
+    try:
+        ck = torch.load(path, weights_only=False, map_location="cpu")
+    except Exception as e:  # truncated / corrupt / not a torch file
+        raise SystemExit(f"--resume: checkpoint {path} is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(ck, dict) or ck.get("format") != FORMAT:
+        raise SystemExit(f"--resume: {path} is not a DDP-engine checkpoint of scripts/train.py (accepted: {FORMAT!r})")
+    for key in ("compression", "model"):
+        if ck["config"].get(key) != config[key]:
+            raise SystemExit(f"--resume: {path} was written with another {key} ({ck['config'].get(key)!r}, "
+                             f"this run {config[key]!r})")
+    if ck["ranks"] != dist.get_world_size():
+        raise SystemExit(f"--resume: {path} has {ck['ranks']} ranks, this job {dist.get_world_size()}")
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    sched.load_state_dict(ck["sched"])
+    if state is not None:
+        state.load_state_dict(ck["hook"][dist.get_rank()])  # before the first backward: pipelines take it then
+    if dist.get_rank() == 0:
+        print(f"resumed from {path} at step {ck['step']}", flush=True)
+    return int(ck["step"]), list(ck["history"]), float(ck["train_time_s"])
+
+
 def sent_bytes(state, meter) -> int:
     return int(state.exchange.stats.bytes_sent) if state is not None else meter.bytes
 
 
-def train(args, ddp, model, opt, sched, data, state, meter):
-    """The training loop; -> (history, train_time, wait_s, bytes, skipped)."""
+def train(args, ddp, model, opt, sched, data, state, meter, ck):
+    """The training loop from ``ck`` = (step, history, train_time) -- (0, [], 0.0), or a resumed
+    checkpoint's; -> (history, train_time, wait_s, bytes, skipped)."""
     x_train, y_train, x_test, y_test = data
     from hvd_ext.examples.mnist1d import accuracy
 
     rank, size = dist.get_rank(), dist.get_world_size()
     steps_per_epoch = len(x_train) // (args.batch * size)
     gen = torch.Generator().manual_seed(args.seed)  # same permutation on every rank
-    history, train_time, wait_s, skipped, loss_val = [], 0.0, 0.0, 0, float("nan")
+    start, history, train_time = ck
+    wait_s, skipped, loss_val = 0.0, 0, float("nan")
     slow = rank == args.slow_rank and args.slow_factor > 1.0
     b_start = sent_bytes(state, meter)
     for epoch in range(args.epochs):
-        perm = torch.randperm(len(x_train), generator=gen)
+        perm = torch.randperm(len(x_train), generator=gen)  # drawn for finished epochs too: same data order
+        if (epoch + 1) * steps_per_epoch <= start:
+            continue
         t_epoch = time.perf_counter()
-        for i in range(steps_per_epoch):
+        for i in range(max(start - epoch * steps_per_epoch, 0), steps_per_epoch):
             idx = perm[(i * size + rank) * args.batch:(i * size + rank + 1) * args.batch]
             t_compute = time.perf_counter()
             opt.zero_grad()
@@ -179,10 +244,22 @@ def train(args, ddp, model, opt, sched, data, state, meter):
                 opt.step()
             sched.step()
             loss_val = loss.item()
+            step_no = epoch * steps_per_epoch + i + 1
+            if args.checkpoint and args.checkpoint_every and step_no % args.checkpoint_every == 0:
+                save_checkpoint(args.checkpoint, step_no, model, opt, sched, state, history,
+                                train_time + time.perf_counter() - t_epoch, run_config(args, model))
+            if args.crash_at_step and step_no == args.crash_at_step:
+                os._exit(17)  # tests: a simulated kill of the whole job
         train_time += time.perf_counter() - t_epoch
         history.append({"epoch": epoch + 1, "test_acc": accuracy(model, x_test, y_test),
                         "train_time_s": train_time, "loss": loss_val})
     return history, train_time, wait_s, sent_bytes(state, meter) - b_start, skipped
+
+
+def run_config(args, model):
+    """What a checkpoint must match to be resumed: the method and the model's layout."""
+    return {"engine": "ddp", "compression": args.compression,
+            "model": [(n, tuple(p.shape)) for n, p in model.state_dict().items()]}
 
 
 def main(args):
@@ -211,13 +288,20 @@ def main(args):
     total_steps = len(data[0]) // (args.batch * size) * args.epochs
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=total_steps,
                                                 cycle_momentum=args.momentum > 0)
-    history, train_time, wait_s, nbytes, skipped = train(args, ddp, model, opt, sched, data, state, meter)
+    ck = (0, [], 0.0)
+    if args.resume and os.path.exists(args.checkpoint):
+        ck = load_checkpoint(args.checkpoint, run_config(args, model), model, opt, sched, state)
+    history, train_time, wait_s, nbytes, skipped = train(args, ddp, model, opt, sched, data, state, meter, ck)
+    if args.checkpoint:
+        save_checkpoint(args.checkpoint, total_steps, model, opt, sched, state, history, train_time,
+                        run_config(args, model))
 
-    vec = torch.tensor([nbytes / total_steps, 1e3 * wait_s / total_steps], dtype=torch.float64)
+    done = max(total_steps - ck[0], 1)  # steps this run took (after a resume: since the checkpoint)
+    vec = torch.tensor([nbytes / done, 1e3 * wait_s / done], dtype=torch.float64)
     dist.all_reduce(vec)
     vec /= size
     result = {
-        "compression": described, "engine": "ddp", "framework": "pytorch-ddp", "ranks": size,
+        "compression": described, "engine": "ddp", "resumed_from_step": ck[0], "framework": "pytorch-ddp", "ranks": size,
         "epochs": args.epochs, "steps": total_steps, "test_acc": history[-1]["test_acc"],
         "bytes_sent_per_step": vec[0].item(), "dense_bytes_per_step": dense_bytes,
         "bytes_ratio_vs_dense": vec[0].item() / dense_bytes, "ms_per_step": 1e3 * train_time / total_steps,
@@ -227,9 +311,18 @@ def main(args):
     }
     if rank == 0:
         report(result, args)
-    dist.barrier()  # no rank tears gloo down while another still writes
-    dist.destroy_process_group()
+    dist.barrier()  # every rank's collectives are done and rank 0's results written
     return result
+
+
+def leave() -> None:
+    """End a DDP-engine process without the interpreter's teardown. Tearing gloo down at exit sometimes
+    aborted one rank (SIGABRT, "terminate called without an active exception": about 1 run in 10 on
+    the multi-node testbed, and once on one node) after every result was written, and torchrun then
+    failed the job. After :func:`main`'s closing barrier nothing is left to send or write."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def routes_of(state):
