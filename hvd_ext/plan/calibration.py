@@ -89,20 +89,35 @@ class _Job:
         return self.allreduce(torch.tensor(values, dtype=torch.float64), f"hvd_ext.calibrate.{len(values)}",
                               "average").tolist()
 
+    def small_collectives(self, tag: str) -> Dict[str, Callable[[], Any]]:
+        """One small (``SMALL`` floats) allreduce, allgather and alltoall, each a call that waits for it."""
+        top, N = self.top, self.N
+        small = torch.zeros(SMALL, device=self.device)
+        splits = [SMALL // N] * (N - 1) + [SMALL - (N - 1) * (SMALL // N)]
+        return {"allreduce": lambda: self.allreduce(small, f"hvd_ext.calibrate.{tag}.ar"),
+                "allgather": lambda: top.wait(top.allgather_async(small, f"hvd_ext.calibrate.{tag}.ag")),
+                "alltoall": lambda: top.wait(top.alltoall_async(small, splits, f"hvd_ext.calibrate.{tag}.a2a"))}
+
+    def run_step(self, step: Callable[[], Any]) -> None:
+        """``step()``, finished on the device."""
+        step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
 
 def _measure_links(job: _Job) -> tuple:
     """The flat link (and each collective's fixed cost), and the node links across nodes;
     with the number of nodes and ranks per node."""
     from ..exchange import probe
 
-    top, N = job.top, job.N
-    small, large = torch.zeros(SMALL, device=job.device), torch.zeros(LARGE, device=job.device)
-    job.allreduce(small, "hvd_ext.calibrate.sync")
-    t_small = best_time(lambda: job.allreduce(small, "hvd_ext.calibrate.small"), 5)
+    N = job.N
+    large = torch.zeros(LARGE, device=job.device)
+    run = job.small_collectives("idle")
+    run["allreduce"]()  # the ranks start together
+    t_small = best_time(run["allreduce"], 5)
     t_large = best_time(lambda: job.allreduce(large, "hvd_ext.calibrate.large"), 3)
-    t_gather = best_time(lambda: top.wait(top.allgather_async(small, "hvd_ext.calibrate.ag")), 5)
-    splits = [SMALL // N] * (N - 1) + [SMALL - (N - 1) * (SMALL // N)]
-    t_a2a = best_time(lambda: top.wait(top.alltoall_async(small, splits, "hvd_ext.calibrate.a2a")), 5)
+    t_gather = best_time(run["allgather"], 5)
+    t_a2a = best_time(run["alltoall"], 5)
     t_small, t_large, t_gather, t_a2a = job.mean([t_small, t_large, t_gather, t_a2a])
     wire = cost.allreduce_wire(4.0 * (LARGE - SMALL), N)
     links: Dict[str, Dict[str, Any]] = {
@@ -125,9 +140,7 @@ def _measure_compute(job: _Job, step: Callable[[], Any], steps: int) -> float:
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        step()
-        if job.device.type == "cuda":
-            torch.cuda.synchronize(job.device)
+        job.run_step(step)
         times.append(time.perf_counter() - t0)
     return job.mean([statistics.median(times[1:] or times)])[0]
 
@@ -135,19 +148,12 @@ def _measure_compute(job: _Job, step: Callable[[], Any], steps: int) -> float:
 def _measure_busy_latency(job: _Job, step: Callable[[], Any], steps: int) -> Dict[str, float]:
     """Each kind of collective's seconds right after a ``step`` on every rank (the ranks' mean of
     the median over ``steps`` tries): the fixed cost a collective has inside a training step."""
-    top, N = job.top, job.N
-    small = torch.zeros(SMALL, device=job.device)
-    splits = [SMALL // N] * (N - 1) + [SMALL - (N - 1) * (SMALL // N)]
-    run = {"allreduce": lambda: job.allreduce(small, "hvd_ext.calibrate.busy.ar"),
-           "allgather": lambda: top.wait(top.allgather_async(small, "hvd_ext.calibrate.busy.ag")),
-           "alltoall": lambda: top.wait(top.alltoall_async(small, splits, "hvd_ext.calibrate.busy.a2a"))}
+    run = job.small_collectives("busy")
     medians = []
     for kind in calibration.COLLECTIVES:
         times = []
         for _ in range(steps):
-            step()
-            if job.device.type == "cuda":
-                torch.cuda.synchronize(job.device)
+            job.run_step(step)
             t0 = time.perf_counter()
             run[kind]()
             times.append(time.perf_counter() - t0)
