@@ -334,6 +334,10 @@ class AutoTuner(Policy):
             self.debt[name] = mem.clone() if old is None else old + mem
             self.debt_left[name] = self.auto.release
 
+    def adds_nothing(self, names: Sequence[str]) -> bool:
+        """:meth:`release` would hand these gradients back unchanged this step (no debt, no guard sample)."""
+        return (self.guard is None or self.guard.ratio is not None) and not any(n in self.debt for n in names)
+
     def release(self, name: str, g: torch.Tensor) -> torch.Tensor:
         """``g`` plus this step's share of ``name``'s debt (staged until ``commit``)."""
         if self.guard is not None and self.guard.ratio is None:

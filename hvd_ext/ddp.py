@@ -30,6 +30,13 @@ future, so DDP's backward goes on computing the next buckets while this one is o
 hook of the last bucket (``bucket.is_last()``) finishes every started bucket in the order they
 started -- second phases of the two-phase and node-aware routes included -- so every rank makes
 the same collectives in the same order, as ``synchronize()`` does under Horovod.
+
+Flat buffer. When a bucket's codec this step acts element by element with no memory (``none``,
+``fp16``, ``bf16``; a codec's dense warm-up; ``auto`` on one of them with nothing to release), the
+bucket goes as its one flat buffer instead of tensor by tensor
+(:meth:`~hvd_ext.pipeline.GradientPipeline.takes_flat`): ``none`` is reduced where it lies, as DDP's
+own ``allreduce_hook`` does. The same average, element for element; the decision depends on the step
+and the spec alone, so every rank takes it alike.
 """
 from __future__ import annotations
 
@@ -60,6 +67,7 @@ class HookState:
         self._pending: Dict[int, Dict[str, Any]] = {}
         self._agreed = False
         self.layout: Dict[int, List[int]] = {}  # bucket index -> id() of its parameters, in the pipeline's order
+        self._orders: Dict[tuple, Tuple[tuple, List[int]]] = {}  # bucket layout -> (pipeline key, buffer positions)
         self.waiting: List[Tuple[GradientPipeline, torch.Tensor, Any]] = []  # started, not finished, in order
 
     # ---- checkpoint ----------------------------------------------------------------------
@@ -112,24 +120,35 @@ class HookState:
         views, both in the pipeline's order. The pipeline orders the parameters by their names (the
         order the hook first met them), not by the buffer: when DDP rebuilds its buckets after the
         first iteration, a bucket that keeps its parameters keeps its pipeline and what it holds,
-        and a resumed run orders them as the run that saved the checkpoint."""
-        i = bucket.index()
-        pairs = list(zip(aligned_parameters(bucket), bucket.gradients()))
-        for p, _ in pairs:
+        and a resumed run orders them as the run that saved the checkpoint. The order is worked out
+        once per bucket layout (the parameters and the shapes in the buffer)."""
+        i, params, grads = bucket.index(), bucket.parameters(), bucket.gradients()
+        seen = (i, tuple(map(id, params)), tuple(g.shape for g in grads))
+        if seen not in self._orders:
+            self._orders[seen] = self._order(i, params, grads)
+        key, order = self._orders[seen]
+        self.layout[i] = list(key)
+        pipe, shadows = self.pipelines[key]
+        return pipe, shadows, [grads[k] for k in order]
+
+    def _order(self, i: int, params, grads) -> Tuple[tuple, List[int]]:
+        """(the pipeline's key, the buffer position of each of its tensors) for a bucket layout; the
+        pipeline is made at its first layout."""
+        aligned = aligned_parameters(params, grads)
+        for p in aligned:
             self.name_of(p)
-        pairs.sort(key=lambda pg: int(self.name_of(pg[0])[1:]))
-        key = tuple(id(p) for p, _ in pairs)
+        order = sorted(range(len(aligned)), key=lambda k: int(self.name_of(aligned[k])[1:]))
+        ps = [aligned[k] for k in order]
+        key = tuple(id(p) for p in ps)
         if key not in self.pipelines:
-            shadows = [torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p, _ in pairs]
+            shadows = [torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in ps]
             comp = compression_from_spec(self.spec)
-            named = [(self.name_of(p), s) for (p, _), s in zip(pairs, shadows)]
+            named = [(self.name_of(p), s) for p, s in zip(ps, shadows)]
             pipe = GradientPipeline(named, comp, comp.feedback, self.exchange, BIG, warmup=comp.warmup_length())
             if i in self._pending:
                 pipe.load_state_dict(self._pending.pop(i))
             self.pipelines[key] = (pipe, shadows)
-        self.layout[i] = list(key)
-        pipe, shadows = self.pipelines[key]
-        return pipe, shadows, [g for _, g in pairs]
+        return key, order
 
     def name_of(self, p) -> str:
         """A parameter's name in the pipeline (its feedback memory, its codec state): the order in which
@@ -137,10 +156,10 @@ class HookState:
         return self._names.setdefault(id(p), f"p{len(self._names)}")
 
 
-def aligned_parameters(bucket) -> List[torch.Tensor]:
-    """The bucket's parameters in the order of its gradients (the buffer's layout). ``GradBucket``
+def aligned_parameters(params, grads) -> List[torch.Tensor]:
+    """A bucket's parameters in the order of its gradients (the buffer's layout). ``GradBucket``
     lists them in the model's order and the gradients in the bucket's; pair them by shape."""
-    params, grads = list(bucket.parameters()), list(bucket.gradients())
+    params, grads = list(params), list(grads)
     shape = lambda t: (tuple(t.shape), t.dtype)  # noqa: E731
     for cand in (params, params[::-1]):
         if [shape(p) for p in cand] == [shape(g) for g in grads]:
@@ -163,7 +182,11 @@ def hook(state: HookState, bucket):  # unannotated: DDP checks a return annotati
     pipe, shadows, grads = state.pipeline(bucket)
     for s, g in zip(shadows, grads):
         s.grad = g  # views of the bucket's buffer: the pipeline writes the average into them
-    pipe.flush()  # compressed, first collective started (asynchronous): backward goes on meanwhile
+    buf = bucket.buffer()
+    if pipe.takes_flat(buf):
+        pipe.start_flat(buf)  # none, fp16, bf16: the buffer as one tensor (none: reduced where it lies)
+    else:
+        pipe.flush()  # compressed, first collective started (asynchronous): backward goes on meanwhile
     fut: torch.futures.Future = torch.futures.Future()
     state.waiting.append((pipe, bucket.buffer(), fut))
     if bucket.is_last():

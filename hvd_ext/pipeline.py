@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .compression.base import Compressor, TensorInfo
+from .compression.none import NoneCompressor
 from .exchange import Exchange
 from .auto import AutoCompression, AutoTuner
 from .exchange.routes import OwnerMemory, Route, TensorRecord, choose_route, flat_record, make_route, split_flat
@@ -127,6 +128,7 @@ class GradientPipeline:
         self.policies: List[Policy] = [p for p in (self.warmup_policy, self.auto, self.route_trial) if p is not None]
         self._step_code_s = 0.0
         self._checks = Checks()  # device-side checks of the step in progress (read by finish)
+        self._flat = None  # this step's exchange of a caller's flat buffer (start_flat)
         self.overlap = bool(overlap)
         self._worker: Optional[CodeWorker] = CodeWorker() if self.overlap else None
         if self._worker is not None:  # the thread ends with the pipeline (close() ends it sooner)
@@ -263,6 +265,41 @@ class GradientPipeline:
         self.compress_s += dt
         self._step_code_s += dt
 
+    # ---- the bucket as the caller's one flat buffer (a DDP bucket) ---------------------------
+    def takes_flat(self, buf: torch.Tensor) -> bool:
+        """A caller holding every gradient in the one float32/float64 ``buf`` (a DDP bucket's buffer) may
+        hand the step over as that buffer (:meth:`start_flat`) instead of tensor by tensor: when the
+        pipeline has one bucket whose codec this step is ``elementwise`` (none, fp16, bf16: fixed, a
+        dense warm-up's, or ``auto``'s choice) on the allreduce route, keeps no error feedback for it, and
+        ``auto`` adds nothing to the gradient (no released memory, no accuracy-guard sample). The
+        result is the same, element for element."""
+        if len(self.buckets) != 1 or self._worker is not None or buf.dtype not in (torch.float32, torch.float64):
+            return False
+        b = self.buckets[0]
+        if not b.comp.elementwise or b.route.name != "allreduce" or self.exchange.op_name == "adasum":
+            return False
+        no_memory = (isinstance(self.feedback, NoFeedback) or self._in_warmup(b.comp)
+                     or (self.auto is not None and not self.compressor.uses_memory(b.comp)))
+        return no_memory and (self.auto is None or self.auto.adds_nothing(b.names))
+
+    def start_flat(self, buf: torch.Tensor) -> None:
+        """Start the step's exchange on ``buf`` (only when :meth:`takes_flat` says so): ``none`` reduces
+        it where it lies, as DDP's own allreduce hook does; a cast codec sends it as one tensor.
+        :meth:`finish` writes the average back into ``buf``."""
+        t0 = time.perf_counter()
+        b = self.buckets[0]
+        b.started = True
+        flat, name = buf.reshape(-1), f"hvd_ext.ar.{b.route.tag}"
+        if isinstance(b.comp, NoneCompressor):
+            self._flat = (self.exchange.start_reduce_in_place(name, flat), flat, None, None)
+        else:
+            info = TensorInfo(name=f"\x00flat{b.index}", shape=flat.shape, step=self.step, rank=self.rank,
+                              size=self.size, param=None, scale=self.exchange.scale())
+            payload, ctx = b.comp.compress(flat, info)
+            pending = self.exchange.start_allreduce(name, [payload], False, reuse=b.comp.transient_results)
+            self._flat = (pending, flat, ctx, info)
+        self._step_code_s += time.perf_counter() - t0
+
     def finish(self) -> bool:
         """Wait for every bucket, write the averaged gradients into ``p.grad``.
 
@@ -270,7 +307,25 @@ class GradientPipeline:
         every rank); the feedback and owner memories are then left as they were. The step's
         flags and device-side checks are read here, once."""
         with deferred_checks(self._checks):
+            if self._flat is not None:
+                return self._finish_flat()
             return self._finish()
+
+    def _finish_flat(self) -> bool:
+        t_start = time.perf_counter()
+        (pending, flat, ctx, info), self._flat = self._flat, None
+        b = self.buckets[0]
+        if info is None:
+            flag = self.exchange.finish_reduce_in_place(pending)
+        else:
+            reduced, flag = self.exchange.finish_allreduce(pending)
+            flat.copy_(b.comp.decompress(reduced[0], ctx, info))
+        if not isinstance(self.feedback, NoFeedback):  # auto on a lossless codec: no memory kept
+            for name in b.names:
+                self.feedback.forget(name)
+        b.started = False
+        b.ready.clear()
+        return self._end_step([flag], t_start)
 
     def _finish(self) -> bool:
         t_start = time.perf_counter()
@@ -284,6 +339,11 @@ class GradientPipeline:
         for b in self.buckets:  # second phases start before any bucket is waited for
             b.route.progress()
         flags = [self._finish_bucket(b) for b in self.buckets]
+        return self._end_step(flags, t_start)
+
+    def _end_step(self, flags: List[torch.Tensor], t_start: float) -> bool:
+        """The step's one read of its flags and checks, then its staged state kept or dropped on every
+        rank alike, the step counted and the policies told."""
         try:
             nonfinite = read_step(flags, self._checks)  # the step's one read
         except BaseException:

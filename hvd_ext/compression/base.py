@@ -127,6 +127,9 @@ class Compressor:
     # True when decode(encode(g)) == g up to float rounding (none, fp16, bf16): no error feedback, and an
     # adaptive optimizer's second moment is left live (hvd_ext.variance_freeze).
     lossless: ClassVar[bool] = False
+    # compress/decompress treat each element alone and keep no state (none, the casts): a bucket may
+    # go as one flat tensor (the DDP hook's buffer, GradientPipeline.takes_flat)
+    elementwise: ClassVar[bool] = False
     # True when nothing keeps a decoded result past the step (none, fp16, bf16): the exchange may then
     # reuse its fused buffers from step to step instead of allocating them anew.
     transient_results: ClassVar[bool] = False

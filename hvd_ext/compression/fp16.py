@@ -15,6 +15,7 @@ class CastCompressor(Compressor):
     """Cast floating gradients to ``wire_dtype`` for the allreduce, back after it."""
 
     lossless = True
+    elementwise = True
     transient_results = True
     collective = "allreduce"
     wire_dtype = torch.float16

@@ -9,6 +9,7 @@ from .base import Compressor, register
 @register("none")
 class NoneCompressor(Compressor):
     lossless = True
+    elementwise = True
     transient_results = True
     collective = "allreduce"
     wire_dtype = torch.float32

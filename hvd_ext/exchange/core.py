@@ -414,7 +414,7 @@ class Exchange:
     def _start_half_sum(self, flat: torch.Tensor, name: str) -> Pending:
         N, n = self.size, flat.numel()
         if N == 1 or (N == 2 and n < self.HALF_RS_MIN):
-            return Pending("half-ag", [self.transport.allgather_async(self._wire(flat), f"{name}.ag")],
+            return Pending("half-ag", [self.transport.allgather_equal_async(self._wire(flat), f"{name}.ag")],
                            (n, flat.dtype))
         splits = [n // N + (1 if j < n % N else 0) for j in range(N)]
         return Pending("half-rs", [self.transport.alltoall_async(self._wire(flat), splits, f"{name}.rs")],
@@ -458,6 +458,28 @@ class Exchange:
             if has_flag:
                 flags.append((flat[off] != 0).reshape(()))
         return result, _any(flags)
+
+    # ---- one flat buffer reduced where it lies (a DDP bucket) ------------------------------
+    def start_reduce_in_place(self, name: str, buf: torch.Tensor) -> Pending:
+        """Start reducing the 1-D float32/float64 ``buf`` over the ranks by ``op`` (average or sum), its
+        result to land in ``buf`` itself: no copy into a fused buffer and no flag element, since a
+        NaN/Inf on any rank makes the reduced buffer non-finite on every rank."""
+        if self.op_name == "adasum" or buf.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"start_reduce_in_place {name!r}: op {self.op_name!r}, dtype {buf.dtype}; "
+                             "accepted: op average or sum, float32 or float64")
+        nb = buf.numel() * buf.element_size()
+        self._count("allreduce", nb, nb, cost.allreduce_wire(nb, self.size))
+        h = self.transport.allreduce_async(buf, name, op=self.op_name, prescale=self.prescale_factor,
+                                           postscale=self.postscale_factor)
+        return Pending("in-place", [h], buf)
+
+    def finish_reduce_in_place(self, pending: Pending) -> torch.Tensor:
+        """Wait for :meth:`start_reduce_in_place`; -> 0-d bool tensor, some rank had a NaN/Inf (no host
+        read on a device)."""
+        out, buf = self._wait(pending.handles[0]), pending.meta
+        if out.data_ptr() != buf.data_ptr():  # a transport that reduces into a new tensor
+            buf.copy_(out.reshape(buf.shape))
+        return nonfinite_flag([buf])
 
     # ---- allgather -----------------------------------------------------------------
     def start_allgather(self, name: str, payloads: List[torch.Tensor], nonfinite,

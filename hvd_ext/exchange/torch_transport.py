@@ -6,7 +6,8 @@ routes overlap communication as they do under Horovod:
 
 * ``allreduce_async`` -- ``all_reduce`` (SUM; ``average`` divides after, as gloo has no AVG);
 * ``allgather_async`` -- tensors of different lengths: the lengths first (one small
-  ``all_gather``, waited for), then ``all_gather`` of the tensors padded to the longest;
+  ``all_gather``, waited for), then ``all_gather`` of the tensors padded to the longest
+  (``allgather_equal_async``: equal lengths, known to every rank: one ``all_gather_into_tensor``);
 * ``alltoall_async`` -- the split sizes first (one small ``all_to_all_single``, waited for: every
   rank then knows what it receives), then ``all_to_all_single`` with those splits;
 * ``broadcast_async`` -- ``broadcast`` in place.
@@ -124,6 +125,12 @@ class TorchDistTransport(Transport):
         work = self.dist.all_gather(outs, padded, group=self.group, async_op=True)
         return ("ag", work, outs, lens, per, t.dtype)
 
+    def allgather_equal_async(self, tensor, name):
+        wire, _ = _wire(tensor.reshape(-1))
+        out = torch.empty(self.size() * wire.numel(), dtype=wire.dtype, device=wire.device)
+        work = self.dist.all_gather_into_tensor(out, wire, group=self.group, async_op=True)
+        return ("agt", work, out, tensor.dtype)
+
     def alltoall_async(self, tensor, splits, name):
         splits = [int(s) for s in splits]
         if len(splits) != self.size() or sum(splits) != tensor.shape[0]:
@@ -162,6 +169,9 @@ class TorchDistTransport(Transport):
             parts = [o[:n * per] for o, n in zip(outs, lens)]
             flat = torch.cat(parts) if parts else outs[0][:0]
             return flat.view(dtype) if flat.dtype != dtype else flat
+        if kind == "agt":
+            _, _, out, dtype = handle
+            return out.view(dtype) if out.dtype != dtype else out
         if kind == "a2a":
             _, _, out, rsplits, dtype, rest = handle
             out = out.view(dtype) if out.dtype != dtype else out

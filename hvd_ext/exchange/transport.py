@@ -102,6 +102,11 @@ class Transport:
         """1-D tensors of possibly different lengths; ``wait`` returns their concatenation in rank order."""
         raise NotImplementedError
 
+    def allgather_equal_async(self, tensor: torch.Tensor, name: str) -> Any:
+        """:meth:`allgather_async` when every rank passes a tensor of the same length (a transport may
+        then skip exchanging the lengths)."""
+        return self.allgather_async(tensor, name)
+
     def alltoall_async(self, tensor: torch.Tensor, splits: Sequence[int], name: str) -> Any:
         """Send ``tensor[sum(splits[:j]):sum(splits[:j+1])]`` to rank j; ``wait`` returns
         ``(received, received_splits)`` with the pieces in source-rank order."""

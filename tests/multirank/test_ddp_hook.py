@@ -9,9 +9,11 @@ from helpers.torchdist import spawn_gloo
 from multirank.workers.common import small_batch, small_model
 from hvd_ext.testing.harness import run_pipeline
 
-SPECS = ["fp16", "powersgd:rank=2,warmup=0", "qsgd:bits=8,exchange=allgather", "qsgd:bits=4,exchange=twophase",
+SPECS = ["none", "fp16", "powersgd:rank=2,warmup=0", "powersgd:rank=2,warmup=1", "qsgd:bits=8,exchange=allgather", "qsgd:bits=4,exchange=twophase",
          "efsignsgd:exchange=twophase", "topk:ratio=0.05,exchange=allgather", "topk:ratio=0.05,exchange=twophase"]
 BIG = 1 << 62
+# steps of the two whose bucket goes as DDP's flat buffer (GradientPipeline.takes_flat)
+FLAT = {"none": 2, "fp16": 2, "powersgd:rank=2,warmup=1": 1}
 
 
 def _worker(rank, size, mode):
@@ -63,7 +65,13 @@ def _worker(rank, size, mode):
             c.register_comm_hook(sc, hook)
             res[spec] = {"whole": whole[2], "resumed": grads_at(c, 2)}
     else:
+        from hvd_ext.pipeline import GradientPipeline
+
+        flat = []
+        start = GradientPipeline.start_flat
+        GradientPipeline.start_flat = lambda pipe, buf: (flat.append(1), start(pipe, buf))[1]
         for spec in SPECS:
+            flat.clear()
             model = DDP(small_model())
             state, hook = hddp.comm_hook(spec)
             model.register_comm_hook(state, hook)
@@ -86,7 +94,7 @@ def _worker(rank, size, mode):
                               "skip": state.skip_step,
                               "order": [hook_name[names[i]] for i in state.layout[0]],
                               "pipelines": len(state.pipelines)})
-            res[spec] = {"steps": steps, "sd": state.state_dict()}
+            res[spec] = {"steps": steps, "sd": state.state_dict(), "flat": len(flat)}
             if mode == "plain":
                 fresh, _ = hddp.comm_hook(spec)
                 fresh.load_state_dict(state.state_dict())
@@ -213,11 +221,12 @@ def test_ddp_hook_equals_the_pipeline(size):
                 assert not runs[r][s]["skip"]
                 for n in order:
                     mine, want = runs[r][s]["avg"][n], ref[r].results[-1][n]
-                    if spec.startswith("powersgd"):  # float32 allreduce: gloo's summation order
+                    if spec.startswith("powersgd") or spec == "none":  # float32 allreduce: gloo's summation order
                         torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6)
                     else:
                         assert torch.equal(mine, want), (spec, n, s)
         assert all(got[r][spec]["reloaded"] for r in range(size))
+        assert all(got[r][spec]["flat"] == FLAT.get(spec, 0) for r in range(size)), spec
 
 
 @pytest.mark.timeout(300)

@@ -48,3 +48,41 @@ def test_pipeline_dense_warmup_then_codec():
     for step in range(steps - warm):  # after the warm-up: exactly a fresh topk run
         for k in grads[0][0]:
             assert torch.allclose(runs[0].results[warm + step][k], plain[0].results[step][k], atol=1e-6)
+
+
+def _pipeline(spec: str, bucket_bytes: int = 1 << 20):
+    """One rank's pipeline for ``spec`` over two float32 tensors (p0: 6, p1: 4 elements)."""
+    from hvd_ext.exchange.core import Exchange
+    from hvd_ext.pipeline import GradientPipeline
+    from hvd_ext.spec import compression_from_spec
+    from hvd_ext.testing.simulated import run_world
+
+    def body(rank, transport):
+        comp = compression_from_spec(spec)
+        named = [("p0", torch.nn.Parameter(torch.zeros(6))), ("p1", torch.nn.Parameter(torch.zeros(4)))]
+        return GradientPipeline(named, comp, comp.feedback, Exchange(op="average", transport=transport),
+                                bucket_bytes, warmup=comp.warmup_length())
+    return run_world(1, body)[0]
+
+
+def test_takes_flat_only_when_the_step_codes_element_by_element_with_nothing_added():
+    """A caller's flat buffer may stand for the bucket (the DDP hook) only when the pipeline's one bucket
+    runs an elementwise codec (none, fp16, bf16) on the allreduce route this step, keeps no memory for
+    it, and nothing is added to the gradient."""
+    f32, f16 = torch.zeros(10), torch.zeros(10, dtype=torch.float16)
+    none = _pipeline("none")
+    assert none.takes_flat(f32) and not none.takes_flat(f16)  # float16: summed in float32 by the exchange
+    assert _pipeline("fp16").takes_flat(f32) and _pipeline("bf16").takes_flat(f32)
+    assert not _pipeline("none", bucket_bytes=30).takes_flat(f32)  # two buckets: not one flat buffer
+    assert not _pipeline("topk:ratio=0.5").takes_flat(f32)
+    assert not _pipeline("qsgd:bits=8").takes_flat(f32)  # a scale per tensor
+    psgd = _pipeline("powersgd:rank=1,warmup=3")
+    assert psgd.takes_flat(f32)  # the dense warm-up
+    psgd.set_step(3)
+    assert not psgd.takes_flat(f32)
+    auto = _pipeline("auto:candidates=none,fp16")  # lossless candidates only: no accuracy guard
+    assert auto.takes_flat(f32)
+    auto.auto.debt["p0"], auto.auto.debt_left["p0"] = torch.ones(6), 4  # an earlier codec's memory to release
+    assert not auto.takes_flat(f32)
+    guarded = _pipeline("auto:candidates=none,topk:ratio=0.5")  # the guard samples the warm-up's gradients
+    assert not guarded.takes_flat(f32)
