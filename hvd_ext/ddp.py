@@ -20,9 +20,10 @@ buckets after the first iteration keeps a bucket's pipeline when the bucket keep
 Agreement. At the first bucket every rank's spec, bucket layout and dtypes are compared in one
 allgather: a rank configured differently raises ``ValueError`` on every rank, naming the
 difference. A non-finite gradient on any rank is known to every rank (the exchange carries the
-flag): the hook then leaves the bucket's gradient at zero on every rank and sets
-``state.skip_step``, which the training loop checks before ``optimizer.step()`` (a DDP hook cannot
-skip the step itself).
+flag): the hook then leaves every bucket's gradient at zero on every rank, keeps nothing of the
+step (feedback, codec state) and sets ``state.skip_step``, which the training loop checks before
+``optimizer.step()`` (a DDP hook cannot skip the step itself). The flags of all buckets are read
+once per step, in the last bucket's hook.
 
 Overlap. Each bucket's hook compresses it and starts its first collective (asynchronous work
 handles of :class:`~hvd_ext.exchange.torch_transport.TorchDistTransport`) and returns a pending
@@ -46,7 +47,7 @@ import torch
 
 from .exchange.core import Exchange
 from .exchange.torch_transport import TorchDistTransport
-from .pipeline import GradientPipeline
+from .pipeline import GradientPipeline, finish_together
 from .spec import compression_from_spec
 from .world import fingerprint_mismatch
 
@@ -88,17 +89,20 @@ class HookState:
 
     # ---- per bucket ------------------------------------------------------------------------
     def finish_waiting(self) -> None:
-        """Finish every started bucket in the order they started (the same on every rank), write the
-        averages into DDP's buffers and complete their futures. A bucket with a non-finite gradient on
-        some rank is left at zero on every rank and ``skip_step`` set."""
+        """Finish every started bucket in the order they started (the same on every rank), with one
+        read of all their non-finite flags (:func:`~hvd_ext.pipeline.finish_together`), write the
+        averages into DDP's buffers and complete their futures. When some rank had a non-finite
+        gradient in any bucket, every bucket is left at zero on every rank, nothing of the step is kept
+        and ``skip_step`` is set."""
         waiting, self.waiting = self.waiting, []
         try:
-            for pipe, buf, fut in waiting:
-                if pipe.finish():
+            nonfinite = finish_together([pipe for pipe, _, _ in waiting])
+            if nonfinite:
+                self.skipped_steps += 0 if self.skip_step else 1
+                self.skip_step = True
+            for _, buf, fut in waiting:
+                if nonfinite:
                     buf.zero_()
-                    if not self.skip_step:
-                        self.skipped_steps += 1
-                    self.skip_step = True
                 fut.set_result(buf)
         except BaseException as e:
             for _, _, fut in waiting:

@@ -306,13 +306,26 @@ class GradientPipeline:
         Returns True when some rank had a non-finite gradient (same answer on
         every rank); the feedback and owner memories are then left as they were. The step's
         flags and device-side checks are read here, once."""
+        return finish_together([self])
+
+    def _unread_flags(self) -> List[torch.Tensor]:
+        """Wait for every bucket and write the averages; the step's non-finite flags, unread (device
+        values), its device-side checks left in ``self._checks``."""
         with deferred_checks(self._checks):
             if self._flat is not None:
-                return self._finish_flat()
-            return self._finish()
+                return [self._finish_flat()]
+            self.flush()
+            if self._worker is not None:
+                try:
+                    self._worker.drain()  # every bucket compressed and started
+                except BaseException:  # a codec's error, raised here as it would have been in backward
+                    self.reset()
+                    raise
+            for b in self.buckets:  # second phases start before any bucket is waited for
+                b.route.progress()
+            return [self._finish_bucket(b) for b in self.buckets]
 
-    def _finish_flat(self) -> bool:
-        t_start = time.perf_counter()
+    def _finish_flat(self) -> torch.Tensor:
         (pending, flat, ctx, info), self._flat = self._flat, None
         b = self.buckets[0]
         if info is None:
@@ -325,41 +338,21 @@ class GradientPipeline:
                 self.feedback.forget(name)
         b.started = False
         b.ready.clear()
-        return self._end_step([flag], t_start)
+        return flag
 
-    def _finish(self) -> bool:
-        t_start = time.perf_counter()
-        self.flush()
-        if self._worker is not None:
-            try:
-                self._worker.drain()  # every bucket compressed and started
-            except BaseException:  # a codec's error, raised here as it would have been in backward
-                self.reset()
-                raise
-        for b in self.buckets:  # second phases start before any bucket is waited for
-            b.route.progress()
-        flags = [self._finish_bucket(b) for b in self.buckets]
-        return self._end_step(flags, t_start)
-
-    def _end_step(self, flags: List[torch.Tensor], t_start: float) -> bool:
-        """The step's one read of its flags and checks, then its staged state kept or dropped on every
-        rank alike, the step counted and the policies told."""
-        try:
-            nonfinite = read_step(flags, self._checks)  # the step's one read
-        except BaseException:
-            self._drop_step()
-            raise
+    def _end_step(self, nonfinite: bool, wait_s: float) -> None:
+        """The step's staged state kept or dropped (on every rank alike), the step counted, the
+        policies told (its exchange took ``wait_s`` in finishing plus what starting it took)."""
         for part in self._participants():  # staged state: kept on a finite step, dropped on every rank else
             if nonfinite:
                 part.discard()
             else:
                 part.commit()
         self.step += 1
-        exchange_s = time.perf_counter() - t_start + self._step_code_s
+        exchange_s = wait_s + self._step_code_s
         for policy in self.policies:
             policy.after_step(exchange_s)
         self._step_code_s = 0.0
-        return nonfinite
 
     def _finish_bucket(self, b: _Bucket):
         """Wait for bucket ``b``, let the feedback see what was sent, write the averages into the
@@ -450,6 +443,34 @@ class GradientPipeline:
             self.owner_memory.load_state_dict(state.get("owner", {}))
         else:
             self.owner_memory.load_state_dict({})
+
+
+def finish_together(pipes: List[GradientPipeline]) -> bool:
+    """Finish the step of ``pipes`` (one, or a DDP model's one per DDP bucket) in order, with ONE read
+    of all their flags and device-side checks (``ops.device.read_step``). Returns True when some rank
+    had a non-finite gradient in any of them: then every pipeline drops its staged state (feedback,
+    codec, policies), on every rank alike, as the whole step is skipped."""
+    flags: List[torch.Tensor] = []
+    own = []  # each pipeline's own finishing time
+    try:
+        for pipe in pipes:
+            t0 = time.perf_counter()
+            flags += pipe._unread_flags()
+            own.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        checks = Checks()
+        for pipe in pipes:
+            for item in pipe._checks.take():
+                checks.add(*item)
+        nonfinite = read_step(flags, checks)  # the step's one read
+        read_s = time.perf_counter() - t0
+    except BaseException:
+        for pipe in pipes:
+            pipe._drop_step()
+        raise
+    for pipe, s in zip(pipes, own):
+        pipe._end_step(nonfinite, s + read_s)
+    return nonfinite
 
 
 def _write_grad(p: torch.Tensor, res: torch.Tensor) -> None:

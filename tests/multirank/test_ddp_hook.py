@@ -194,8 +194,29 @@ def _multi_bucket_worker(rank, size):
                 dist.all_gather(parts, p.grad)
                 mean.append(torch.stack(parts).mean(0))
             steps.append({"avg": [p.grad.clone() for p in model.parameters()], "mean": mean})
-        res[spec] = {"steps": steps, "pending": pending, "buckets": len(state.layout)}
+        # a NaN in one layer's gradient on the last rank only: every bucket skipped, nothing kept
+        before = state.state_dict()
+        first = next(model.module.parameters())
+        h = first.register_hook(lambda g: g * float("nan") if rank == size - 1 else g)
+        x, y = small_batch(rank, 3)
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        h.remove()
+        nan_step = {"skip": state.skip_step, "zero": all(float(p.grad.abs().sum()) == 0.0 for p in model.parameters()),
+                    "kept_nothing": same_state(before, state.state_dict())}
+        res[spec] = {"steps": steps, "pending": pending, "buckets": len(state.layout), "nan_step": nan_step}
     return res
+
+
+def same_state(a, b) -> bool:
+    """Two hook state_dicts hold the same tensors and values (the step and skip counters aside)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(k in ("step", "skipped_steps") or same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
 
 
 def _run(size, mode):
@@ -288,7 +309,8 @@ def test_ddp_hook_unused_parameters_and_no_sync(size):
 def test_ddp_hook_overlaps_buckets_and_finishes_them_in_order(size):
     """Several DDP buckets: every bucket but the last returns a pending future (its exchange runs while
     backward goes on); the last finishes them all. The averages are the same on every rank, and for
-    `none` equal the mean of the local gradients."""
+    `none` equal the mean of the local gradients. A NaN in one layer on one rank zeroes every bucket
+    on every rank and keeps nothing of the step in any bucket's state."""
     got = spawn_gloo(_multi_bucket_worker, size)
     for spec in MULTI_SPECS:
         run = got[0][spec]
@@ -302,3 +324,5 @@ def test_ddp_hook_overlaps_buckets_and_finishes_them_in_order(size):
             if spec == "none":
                 for mine, mean in zip(run["steps"][t]["avg"], run["steps"][t]["mean"]):
                     torch.testing.assert_close(mine, mean, rtol=1e-5, atol=1e-7)
+        for r in range(size):  # NaN in the first layer on one rank: all buckets skipped on every rank
+            assert got[r][spec]["nan_step"] == {"skip": True, "zero": True, "kept_nothing": True}, (spec, r)
