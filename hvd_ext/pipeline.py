@@ -267,12 +267,12 @@ class GradientPipeline:
 
     # ---- the bucket as the caller's one flat buffer (a DDP bucket) ---------------------------
     def takes_flat(self, buf: torch.Tensor) -> bool:
-        """A caller holding every gradient in the one float32/float64 ``buf`` (a DDP bucket's buffer) may
-        hand the step over as that buffer (:meth:`start_flat`) instead of tensor by tensor: when the
-        pipeline has one bucket whose codec this step is ``elementwise`` (none, fp16, bf16: fixed, a
-        dense warm-up's, or ``auto``'s choice) on the allreduce route, keeps no error feedback for it, and
-        ``auto`` adds nothing to the gradient (no released memory, no accuracy-guard sample). The
-        result is the same, element for element."""
+        """A caller holding every gradient in the one float32/float64 ``buf`` (a DDP bucket's buffer, of
+        which the pipeline's parameters' gradients are views) may hand the step over as that buffer
+        (:meth:`start_flat`) instead of tensor by tensor: when the pipeline has one bucket whose codec
+        this step is ``elementwise`` (none, fp16, bf16: fixed, a dense warm-up's, or ``auto``'s choice)
+        on the allreduce route and keeps no error feedback for it. The result is the same, element for
+        element."""
         if len(self.buckets) != 1 or self._worker is not None or buf.dtype not in (torch.float32, torch.float64):
             return False
         b = self.buckets[0]
@@ -280,15 +280,22 @@ class GradientPipeline:
             return False
         no_memory = (isinstance(self.feedback, NoFeedback) or self._in_warmup(b.comp)
                      or (self.auto is not None and not self.compressor.uses_memory(b.comp)))
-        return no_memory and (self.auto is None or self.auto.adds_nothing(b.names))
+        return no_memory
 
     def start_flat(self, buf: torch.Tensor) -> None:
         """Start the step's exchange on ``buf`` (only when :meth:`takes_flat` says so): ``none`` reduces
         it where it lies, as DDP's own allreduce hook does; a cast codec sends it as one tensor.
-        :meth:`finish` writes the average back into ``buf``."""
+        ``auto``'s share of an earlier codec's memory is added into the gradients (views of ``buf``)
+        first. :meth:`finish` writes the average back into ``buf``."""
         t0 = time.perf_counter()
         b = self.buckets[0]
         b.started = True
+        if self.auto is not None and not self.auto.adds_nothing(b.names):
+            for name, p in zip(b.names, b.params):
+                if p.grad is not None:
+                    g = self.auto.release(name, p.grad)  # g + this step's share (and the guard's sample)
+                    if g is not p.grad:
+                        p.grad.copy_(g)
         flat, name = buf.reshape(-1), f"hvd_ext.ar.{b.route.tag}"
         if isinstance(b.comp, NoneCompressor):
             self._flat = (self.exchange.start_reduce_in_place(name, flat), flat, None, None)

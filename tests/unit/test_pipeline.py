@@ -67,8 +67,8 @@ def _pipeline(spec: str, bucket_bytes: int = 1 << 20):
 
 def test_takes_flat_only_when_the_step_codes_element_by_element_with_nothing_added():
     """A caller's flat buffer may stand for the bucket (the DDP hook) only when the pipeline's one bucket
-    runs an elementwise codec (none, fp16, bf16) on the allreduce route this step, keeps no memory for
-    it, and nothing is added to the gradient."""
+    runs an elementwise codec (none, fp16, bf16) on the allreduce route this step and keeps no memory
+    for it; what auto releases of an earlier codec's memory is added into the buffer first."""
     f32, f16 = torch.zeros(10), torch.zeros(10, dtype=torch.float16)
     none = _pipeline("none")
     assert none.takes_flat(f32) and not none.takes_flat(f16)  # float16: summed in float32 by the exchange
@@ -80,9 +80,16 @@ def test_takes_flat_only_when_the_step_codes_element_by_element_with_nothing_add
     assert psgd.takes_flat(f32)  # the dense warm-up
     psgd.set_step(3)
     assert not psgd.takes_flat(f32)
-    auto = _pipeline("auto:candidates=none,fp16")  # lossless candidates only: no accuracy guard
+    auto = _pipeline("auto:candidates=none,fp16")
     assert auto.takes_flat(f32)
-    auto.auto.debt["p0"], auto.auto.debt_left["p0"] = torch.ones(6), 4  # an earlier codec's memory to release
-    assert not auto.takes_flat(f32)
-    guarded = _pipeline("auto:candidates=none,topk:ratio=0.5")  # the guard samples the warm-up's gradients
-    assert not guarded.takes_flat(f32)
+    # an earlier codec's memory, released over 4 steps: its share goes into the flat buffer's views
+    auto.auto.debt["p0"], auto.auto.debt_left["p0"] = torch.full((6,), 4.0), 4
+    assert auto.takes_flat(f32)
+    buf = torch.zeros(10)
+    views = {"p0": buf[:6], "p1": buf[6:]}
+    for name, p in zip(auto.buckets[0].names, auto.buckets[0].params):
+        p.grad = views[name]
+    auto.start_flat(buf)
+    assert torch.equal(buf, torch.tensor([1.0] * 6 + [0.0] * 4))  # the 1/4 share of p0's debt, before the sum
+    auto.finish()
+    assert auto.auto.debt_left["p0"] == 3
