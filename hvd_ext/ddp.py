@@ -33,8 +33,8 @@ started -- second phases of the two-phase and node-aware routes included -- so e
 the same collectives in the same order, as ``synchronize()`` does under Horovod.
 
 Flat buffer. When a bucket's codec this step acts element by element with no memory (``none``,
-``fp16``, ``bf16``; a codec's dense warm-up; ``auto`` on one of them with nothing to release), the
-bucket goes as its one flat buffer instead of tensor by tensor
+``fp16``, ``bf16``; a codec's dense warm-up; ``auto`` on one of them, its release of an earlier
+codec's memory added into the buffer), the bucket goes as its one flat buffer instead of tensor by tensor
 (:meth:`~hvd_ext.pipeline.GradientPipeline.takes_flat`): ``none`` is reduced where it lies, as DDP's
 own ``allreduce_hook`` does. The same average, element for element; the decision depends on the step
 and the spec alone, so every rank takes it alike.

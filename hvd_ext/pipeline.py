@@ -19,7 +19,7 @@ backward goes on; ``finish`` waits for the worker first.
 
 On a GPU (``docs/gpu.md``) nothing here reads the device inside a hook: the non-finite test
 and every check stay on the device, and ``finish`` reads them once for the whole step
-(``ops.device.read_step``). A bucket whose codec or route must read a size from the device
+(``ops.device.read_step``; :func:`finish_together`: once for several pipelines, a DDP model's). A bucket whose codec or route must read a size from the device
 to start (a data-dependent payload) is started by ``flush()`` after backward -- or by the
 overlap worker, which may wait without holding backward up.
 """
@@ -278,9 +278,8 @@ class GradientPipeline:
         b = self.buckets[0]
         if not b.comp.elementwise or b.route.name != "allreduce" or self.exchange.op_name == "adasum":
             return False
-        no_memory = (isinstance(self.feedback, NoFeedback) or self._in_warmup(b.comp)
-                     or (self.auto is not None and not self.compressor.uses_memory(b.comp)))
-        return no_memory
+        return (isinstance(self.feedback, NoFeedback) or self._in_warmup(b.comp)
+                or (self.auto is not None and not self.compressor.uses_memory(b.comp)))
 
     def start_flat(self, buf: torch.Tensor) -> None:
         """Start the step's exchange on ``buf`` (only when :meth:`takes_flat` says so): ``none`` reduces
@@ -423,6 +422,7 @@ class GradientPipeline:
             b.route.records = []
             b.parts = None
         self._checks.take()
+        self._flat = None
         self._step_code_s = 0.0
 
     def close(self) -> None:

@@ -65,7 +65,7 @@ def _pipeline(spec: str, bucket_bytes: int = 1 << 20):
     return run_world(1, body)[0]
 
 
-def test_takes_flat_only_when_the_step_codes_element_by_element_with_nothing_added():
+def test_takes_flat_only_when_the_step_codes_element_by_element_without_memory():
     """A caller's flat buffer may stand for the bucket (the DDP hook) only when the pipeline's one bucket
     runs an elementwise codec (none, fp16, bf16) on the allreduce route this step and keeps no memory
     for it; what auto releases of an earlier codec's memory is added into the buffer first."""
