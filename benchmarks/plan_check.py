@@ -19,7 +19,7 @@ For each (N, rate) one job (``horovodrun --gloo`` in a shaped namespace, ``scrip
    reported: predicted / measured step time per method, its median and spread over the methods,
    and the wire bytes ratio (the wire bytes hvd_ext's exchange counted; Horovod's: the ring's).
 
-Writes benchmarks/results/plan_check.{json,md}.
+Writes benchmarks/results/plan_check.{json,md} (``--out NAME``: NAME.{json,md}).
 """
 from __future__ import annotations
 
@@ -141,6 +141,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default="plan_check", help="results name: benchmarks/results/OUT.{json,md}")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     import common
@@ -182,8 +183,8 @@ def main(argv=None):
                "horovodrun", "-np", "4", "-H", "node1:2,node2:2", "--gloo", "--start-timeout", "120"])
     doc = {"machine": machine, "loadavg_start": load, "results": results,
            "command": "python benchmarks/plan_check.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    common.write_json(common.RESULTS / "plan_check.json", doc)
-    (common.RESULTS / "plan_check.md").write_text(render(doc))
+    common.write_json(common.RESULTS / f"{args.out}.json", doc)
+    (common.RESULTS / f"{args.out}.md").write_text(render(doc))
     print(render(doc))
 
 
