@@ -15,7 +15,7 @@ moves by 1-2 points, and a seed can diverge for ``none`` itself).
 
 ``--engine ddp``: the same on PyTorch DDP -- ``ddp+auto`` (hvd_ext's hook) against DDP's own
 ``ddp`` (allreduce, the reference in ``none``'s place) and ``ddp:fp16`` by default, held to 1.05x the
-faster (issue 28's bar; 1.10x on Horovod).
+faster (1.10x on Horovod; docs/recipes.md, PyTorch DDP).
 """
 from __future__ import annotations
 
