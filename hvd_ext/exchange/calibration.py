@@ -9,7 +9,9 @@ Format (JSON)::
                          "lat_by_kind": {"allreduce": s, "allgather": s, "alltoall": s},  # optional
                          "busy_lat_by_kind": {...}},  # optional: the same right after a step
                "intra": {"alpha": s per message, "bandwidth": B/s},     # inside a node
-               "inter": {"alpha": ..., "bandwidth": ...}},              # between nodes (M > 1)
+               "inter": {"alpha": ..., "bandwidth": ...},               # between nodes (M > 1)
+               "horovod": {"lat": s, "bandwidth": B/s, "lat_by_kind": {"allreduce": s},  # optional:
+                           "busy_lat_by_kind": {"allreduce": s}}},  # Horovod's own wait (waiting.py)
      "codec": {"<spec>": elements per second of one encode or decode pass, ...},
      "codec_fixed_s": {"<spec>": seconds one pass costs whatever its size, ...},
      "compute_s": optional seconds of one step's forward + backward}
@@ -50,17 +52,18 @@ def load(path: str) -> Dict[str, Any]:
         raise _bad(path, f"version must be {VERSION}")
     links = cal.get("links", {})
     for name, need in (("flat", ("lat", "bandwidth")), ("intra", ("alpha", "bandwidth")),
-                       ("inter", ("alpha", "bandwidth"))):
+                       ("inter", ("alpha", "bandwidth")), ("horovod", ("lat", "bandwidth"))):
         if name in links:
             link = links[name]
             if not isinstance(link, dict) or any(not isinstance(link.get(k), (int, float)) or link[k] < 0
                                                  for k in need) or link["bandwidth"] <= 0:
                 raise _bad(path, f"links.{name} needs {' and '.join(need)} (numbers, bandwidth > 0)")
-    for key in ("lat_by_kind", "busy_lat_by_kind"):
-        kinds = links.get("flat", {}).get(key, {})
-        if not isinstance(kinds, dict) or any(k not in COLLECTIVES or not isinstance(v, (int, float)) or v < 0
-                                              for k, v in kinds.items()):
-            raise _bad(path, f"links.flat.{key} maps {', '.join(COLLECTIVES)} to seconds >= 0")
+    for name in ("flat", "horovod"):
+        for key in ("lat_by_kind", "busy_lat_by_kind"):
+            kinds = links.get(name, {}).get(key, {})
+            if not isinstance(kinds, dict) or any(k not in COLLECTIVES or not isinstance(v, (int, float)) or v < 0
+                                                  for k, v in kinds.items()):
+                raise _bad(path, f"links.{name}.{key} maps {', '.join(COLLECTIVES)} to seconds >= 0")
     for spec, v in cal.get("codec", {}).items():
         if not isinstance(v, (int, float)) or v <= 0:
             raise _bad(path, f"codec speed of {spec!r} must be a number > 0, got {v!r}")

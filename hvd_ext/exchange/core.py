@@ -56,7 +56,7 @@ from ..ops.device import expect, nonfinite as nonfinite_flag, on_host, read, upl
 from ..ops.cpu_kernels import empty, sum_float32
 from . import calibration, cost
 from . import probe
-from .transport import (_NODE_GROUPS, BROADCAST_DTYPES, HorovodTransport, NodeGroupsUnavailable, Transport,
+from .transport import (BROADCAST_DTYPES, HorovodTransport, NodeGroupsUnavailable, Transport, forget_node_groups,
                         offsets)
 
 _HDR = 8  # flags + count
@@ -300,9 +300,9 @@ class Exchange:
     def forget_nodes(self) -> None:
         """The world changed (elastic): node groups and node links are made again when next asked."""
 
-        key = id(getattr(self.transport, "process_set", None))
-        _NODE_GROUPS.pop(key, None)
-        probe.MEASURED.pop(key, None)
+        group = getattr(self.transport, "process_set", getattr(self.transport, "group", None))
+        forget_node_groups(group)
+        probe.MEASURED.pop(id(getattr(self.transport, "process_set", None)), None)
         self._node, self._node_model, self.node_links = None, None, {}
 
     def use_node_model(self, model: "cost.NodeModel", source: str = "given") -> None:

@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .waiting import sleep_until, wait_mode
 
 @dataclass(frozen=True)
 class Topology:
@@ -132,12 +133,18 @@ class HorovodTransport(Transport):
 
     measurable = True
 
-    def __init__(self, process_set=None):
+    def __init__(self, process_set=None, wait: Optional[str] = None):
+        """``wait``: ``spin`` (Horovod's ``synchronize``) or ``sleep``; None: ``HVD_EXT_WAIT``'s rule
+        (:mod:`hvd_ext.exchange.waiting`)."""
         import horovod.torch as hvd
 
         self.hvd = hvd
         self.process_set = hvd.global_process_set if process_set is None else process_set
         self._ops = {"sum": hvd.Sum, "average": hvd.Average, "adasum": hvd.Adasum}
+        if wait not in (None, "spin", "sleep"):
+            raise ValueError(f"HorovodTransport: wait must be 'spin', 'sleep' or None, got {wait!r}")
+        self.sleeps = (wait == "sleep") if wait is not None else (
+            wait_mode(hvd.local_size()) == "sleep" if hvd.is_initialized() else None)
 
     def rank(self) -> int:
         return self.process_set.rank()
@@ -166,7 +173,7 @@ class HorovodTransport(Transport):
                         cross_size=hvd.cross_size(), homogeneous=bool(homog()))
 
     def node_groups(self):
-        key = id(self.process_set)
+        key = ("horovod", id(self.process_set), self.sleeps)  # the groups wait as the transport they are built on
         if key in _NODE_GROUPS:
             return _NODE_GROUPS[key]
         topo = self.topology()
@@ -222,6 +229,10 @@ class HorovodTransport(Transport):
 
     def wait(self, handle):
         kind, h = handle
+        if self.sleeps is None:  # made before hvd.init
+            self.sleeps = wait_mode(self.hvd.local_size()) == "sleep"
+        if self.sleeps:  # ranks share cores: poll and sleep instead of Horovod's spin (waiting.py)
+            sleep_until(lambda: self.hvd.poll(h))
         out = self.hvd.synchronize(h)
         if kind == "a2a":
             if isinstance(out, tuple):
@@ -254,7 +265,14 @@ class HorovodTransport(Transport):
 BROADCAST_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
                     torch.float32, torch.float64)
 
-_NODE_GROUPS: Dict[int, Tuple[Transport, Transport]] = {}
+# (transport kind, id of its process set or group, ...) -> (node group, cross group)
+_NODE_GROUPS: Dict[tuple, Tuple[Transport, Transport]] = {}
+
+
+def forget_node_groups(group: Any) -> None:
+    """Drop every node group made over ``group`` (a process set or torch group): the world changed."""
+    for key in [k for k in _NODE_GROUPS if k[1] == id(group)]:
+        del _NODE_GROUPS[key]
 NODE_GROUP_MODES = ("alltoall", "process_sets")
 
 

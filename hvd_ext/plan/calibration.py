@@ -17,7 +17,10 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
   its timed calls; and then also each kind of collective **in a step** (``busy_lat_by_kind``): a
   small allreduce, allgather and alltoall timed right after every rank ran ``step`` -- what a
   collective costs in training, where it waits for the slowest rank's compute and, when ranks share
-  cores, for the scheduler to run every rank's part in turn. The planner uses these when present.
+  cores, for the scheduler to run every rank's part in turn. The planner uses these when present;
+* **Horovod's own allreduce** -- only where hvd_ext waits otherwise than Horovod (ranks share cores:
+  :mod:`hvd_ext.exchange.waiting`): the flat allreduce again, waited for by Horovod's spinning
+  ``synchronize``, for the planner's Horovod rows.
 
 Every rank runs the same collectives in the same order; rank 0 writes the file.
 """
@@ -79,8 +82,9 @@ class _Job:
     """This job's exchange and the two collectives the measurements agree with: an allreduce and the
     ranks' mean of a list of floats."""
 
-    def __init__(self, ex, device):
-        self.ex, self.top, self.N, self.device = ex, ex.transport, ex.size, device
+    def __init__(self, ex, device, transport=None):
+        self.ex, self.N, self.device = ex, ex.size, device
+        self.top = transport if transport is not None else ex.transport
 
     def allreduce(self, t, name, op="sum"):
         return self.top.wait(self.top.allreduce_async(t, name, op=op))
@@ -105,24 +109,27 @@ class _Job:
             torch.cuda.synchronize(self.device)
 
 
+def _flat_link(job: _Job, tag: str, kinds: Sequence[str] = calibration.COLLECTIVES) -> Dict[str, Any]:
+    """A small and a large allreduce over all ranks, fitted to ``lat + wire / bandwidth``, and the fixed
+    cost of each collective of ``kinds``."""
+    large = torch.zeros(LARGE, device=job.device)
+    run = job.small_collectives(tag)
+    run["allreduce"]()  # the ranks start together
+    t_small = best_time(run["allreduce"], 5)
+    t_large = best_time(lambda: job.allreduce(large, f"hvd_ext.calibrate.{tag}.large"), 3)
+    t_kinds = [t_small if k == "allreduce" else best_time(run[k], 5) for k in kinds]
+    t_small, t_large, *t_kinds = job.mean([t_small, t_large, *t_kinds])
+    wire = cost.allreduce_wire(4.0 * (LARGE - SMALL), job.N)
+    return {"lat": t_small, "bandwidth": wire / max(t_large - t_small, 1e-7), "lat_by_kind": dict(zip(kinds, t_kinds))}
+
+
 def _measure_links(job: _Job) -> tuple:
     """The flat link (and each collective's fixed cost), and the node links across nodes;
     with the number of nodes and ranks per node."""
     from ..exchange import probe
 
     N = job.N
-    large = torch.zeros(LARGE, device=job.device)
-    run = job.small_collectives("idle")
-    run["allreduce"]()  # the ranks start together
-    t_small = best_time(run["allreduce"], 5)
-    t_large = best_time(lambda: job.allreduce(large, "hvd_ext.calibrate.large"), 3)
-    t_gather = best_time(run["allgather"], 5)
-    t_a2a = best_time(run["alltoall"], 5)
-    t_small, t_large, t_gather, t_a2a = job.mean([t_small, t_large, t_gather, t_a2a])
-    wire = cost.allreduce_wire(4.0 * (LARGE - SMALL), N)
-    links: Dict[str, Dict[str, Any]] = {
-        "flat": {"lat": t_small, "bandwidth": wire / max(t_large - t_small, 1e-7),
-                 "lat_by_kind": {"allreduce": t_small, "allgather": t_gather, "alltoall": t_a2a}}}
+    links: Dict[str, Dict[str, Any]] = {"flat": _flat_link(job, "idle")}
     topo = job.ex.topology()
     nodes, local = (topo.cross_size, topo.local_size) if topo is not None else (1, N)
     if topo is not None and topo.multi_node:
@@ -131,7 +138,7 @@ def _measure_links(job: _Job) -> tuple:
         links["intra"] = {"alpha": m.intra.alpha, "bandwidth": m.intra.bandwidth}
         links["inter"] = {"alpha": m.inter.alpha, "bandwidth": m.inter.bandwidth}
     elif N > 1:
-        links["intra"] = {"alpha": t_small / (2.0 * (N - 1)), "bandwidth": links["flat"]["bandwidth"]}
+        links["intra"] = {"alpha": links["flat"]["lat"] / (2.0 * (N - 1)), "bandwidth": links["flat"]["bandwidth"]}
     return links, nodes, local
 
 
@@ -145,12 +152,13 @@ def _measure_compute(job: _Job, step: Callable[[], Any], steps: int) -> float:
     return job.mean([statistics.median(times[1:] or times)])[0]
 
 
-def _measure_busy_latency(job: _Job, step: Callable[[], Any], steps: int) -> Dict[str, float]:
+def _measure_busy_latency(job: _Job, step: Callable[[], Any], steps: int, tag: str = "busy",
+                          kinds: Sequence[str] = calibration.COLLECTIVES) -> Dict[str, float]:
     """Each kind of collective's seconds right after a ``step`` on every rank (the ranks' mean of
     the median over ``steps`` tries): the fixed cost a collective has inside a training step."""
-    run = job.small_collectives("busy")
+    run = job.small_collectives(tag)
     medians = []
-    for kind in calibration.COLLECTIVES:
+    for kind in kinds:
         times = []
         for _ in range(steps):
             job.run_step(step)
@@ -158,7 +166,7 @@ def _measure_busy_latency(job: _Job, step: Callable[[], Any], steps: int) -> Dic
             run[kind]()
             times.append(time.perf_counter() - t0)
         medians.append(statistics.median(times))
-    return dict(zip(calibration.COLLECTIVES, job.mean(medians)))
+    return dict(zip(kinds, job.mean(medians)))
 
 
 def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
@@ -168,6 +176,7 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     import horovod.torch as hvd
 
     from ..exchange.core import Exchange
+    from ..exchange.transport import HorovodTransport
 
     if not hvd.is_initialized():
         hvd.init()
@@ -184,6 +193,12 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     if step is not None:
         out["compute_s"] = _measure_compute(job, step, steps)
         links["flat"]["busy_lat_by_kind"] = _measure_busy_latency(job, step, steps)
+    if getattr(job.top, "sleeps", False):  # hvd_ext waits otherwise than Horovod here: time Horovod's own allreduce too
+        hjob = _Job(job.ex, device, HorovodTransport(wait="spin"))
+        links["horovod"] = _flat_link(hjob, "horovod", kinds=("allreduce",))
+        if step is not None:
+            links["horovod"]["busy_lat_by_kind"] = _measure_busy_latency(hjob, step, steps, "horovod.busy",
+                                                                         kinds=("allreduce",))
     return out
 
 

@@ -20,6 +20,7 @@ delays the buckets behind it (``codec_on_compute``).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -46,7 +47,10 @@ class Cluster:
     device, and ``codec_fixed`` its fixed seconds per pass; ``collective_lat``: the fixed seconds of
     one allreduce, allgather and alltoall over the whole world (both measured by a calibration: they
     replace messages x alpha on the flat routes);
-    ``codec_on_compute``: the codec shares the compute engine (a CPU)."""
+    ``codec_on_compute``: the codec shares the compute engine (a CPU);
+    ``horovod_lat`` / ``horovod_slowdown``: where Horovod's own allreduce waits otherwise than hvd_ext's
+    (ranks share cores, :mod:`hvd_ext.exchange.waiting`), its measured fixed seconds and how many times
+    slower it moves bytes than the flat link (:func:`horovod_view`)."""
 
     nodes: int
     local: int
@@ -56,6 +60,8 @@ class Cluster:
     codec_on_compute: bool = False
     codec_fixed: Dict[str, float] = field(default_factory=dict)  # seconds per pass whatever the size
     collective_lat: Dict[str, float] = field(default_factory=dict)  # measured seconds per collective, flat
+    horovod_lat: Optional[float] = None
+    horovod_slowdown: float = 1.0
 
     @property
     def size(self) -> int:
@@ -170,8 +176,21 @@ def make_row(label: str, spec: Optional[str], route: str, costs: List[BucketCost
                sum(b.seconds for b in costs), step_seconds(costs, compute_s, c.codec_on_compute), costs, note)
 
 
+def horovod_view(c: Cluster) -> Cluster:
+    """The cluster as Horovod's own collectives see it: with its measured allreduce latency, and every
+    link slowed as its measured flat allreduce was (``c`` itself where none was measured)."""
+    if c.horovod_lat is None:
+        return c
+    slow = max(c.horovod_slowdown, 1e-9)
+    return dataclasses.replace(
+        c, intra=dataclasses.replace(c.intra, bandwidth=c.intra.bandwidth / slow),
+        inter=dataclasses.replace(c.inter, bandwidth=c.inter.bandwidth / slow),
+        collective_lat={**c.collective_lat, "allreduce": c.horovod_lat} if c.collective_lat else {})
+
+
 def horovod_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster) -> List[Row]:
     """Horovod's fp32 and fp16 allreduce, and its hierarchical allreduce across nodes."""
+    c = horovod_view(c)
     buckets = [numel_of(b) for b in buckets_of(shapes, HOROVOD_FUSION_BYTES, None)]
     rows = []
     for label, width, spec in (("horovod", 4.0, None), ("horovod fp16", 2.0, "fp16")):

@@ -123,8 +123,32 @@ def test_collectives_timed_inside_a_step_replace_the_idle_ones():
     assert one == pytest.approx(0.03 - 1e-4, rel=1e-6)  # Horovod: one fused allreduce
 
 
+def test_horovods_own_allreduce_prices_only_horovods_rows():
+    """Where the calibration timed Horovod's own (spinning) allreduce apart from hvd_ext's, Horovod's
+    rows take its latency and its slower bytes; hvd_ext's rows keep the flat link's."""
+    cal = {"version": 1, "ranks": 4, "nodes": 1, "local": 4, "device": "cpu", "compute_s": 0.02,
+           "links": {"flat": {"lat": 1e-3, "bandwidth": 1e8, "busy_lat_by_kind": {
+                         "allreduce": 0.01, "allgather": 0.01, "alltoall": 0.01}},
+                     "intra": {"alpha": 3e-5, "bandwidth": 1e8}}}
+    kw = dict(cluster=None, nodes=1, methods=["qsgd:bits=8"], breakeven_search=False)
+    base = plan(1_000_000, calibration=cal, **kw)
+    hv = {"lat": 2e-3, "bandwidth": 5e7, "busy_lat_by_kind": {"allreduce": 0.03}}
+    spun = plan(1_000_000, calibration={**cal, "links": {**cal["links"], "horovod": hv}}, **kw)
+    wire = 2.0 * 3 / 4 * 4e6  # the ring's bytes per rank for 1M floats on 4 ranks
+    link = base.row("horovod").exchange_s - 0.01
+    assert link == pytest.approx(wire / 1e8, rel=1e-6)
+    assert spun.row("horovod").exchange_s == pytest.approx(0.03 + wire / 5e7, rel=1e-6)
+    assert spun.row("qsgd:bits=8", "twophase").step_s == base.row("qsgd:bits=8", "twophase").step_s
+    other_world = plan(1_000_000, calibration={**cal, "links": {**cal["links"], "horovod": hv}},
+                       **{**kw, "nodes": 2, "gpus_per_node": 4})
+    assert other_world.cluster.horovod_lat is None  # measured for the calibrated world only
+
+
 @pytest.mark.parametrize("content,needle", [
     ("{not json", "is not JSON"),
+    ({"version": 1, "links": {"horovod": {"lat": 1e-3}}}, "links.horovod needs lat and bandwidth"),
+    ({"version": 1, "links": {"horovod": {"lat": 1e-3, "bandwidth": 1e8, "busy_lat_by_kind": {"allreduce": -1}}}},
+     "links.horovod.busy_lat_by_kind maps"),
     ({"version": 2}, "version must be 1"),
     ({"version": 1, "links": {"inter": {"alpha": 1e-5}}}, "links.inter needs alpha and bandwidth"),
     ({"version": 1, "codec": {"topk": 0}}, "codec speed of 'topk'"),

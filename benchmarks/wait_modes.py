@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""How hvd_ext's ranks wait, where ranks share cores: spin (Horovod's ``synchronize``) against
+poll-and-sleep (``hvd_ext/exchange/waiting.py``), with plain Horovod in the same job.
+
+    python benchmarks/wait_modes.py                     # 2 and 4 ranks unshaped, 2 nodes x 2 at 300mbit
+
+Per world, one job builds every method twice, once with ``HVD_EXT_WAIT=spin`` and once with
+``HVD_EXT_WAIT=sleep`` (the transport reads it when the optimizer is made), plus Horovod's own
+optimizer, and runs them in turns (``--rounds`` rounds of ``--steps`` steps, as ``overhead.py``), so
+this machine's drift hits them alike. Reported: median ms/step, and sleep / spin and method / plain
+Horovod ratios. The model and batch are the main job's (MNIST-1D CNN, batch 64 per rank).
+
+Writes benchmarks/results/wait_modes.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+METHODS = ("none", "powersgd:warmup=0", "qsgd:bits=8,exchange=twophase", "topk:ratio=0.01,exchange=twophase")
+WAITS = ("spin", "sleep")
+
+
+def worker(args) -> None:
+    import horovod.torch as hvd
+    import torch
+    import torch.nn.functional as F
+
+    import hvd_ext
+    from hvd_ext.examples.mnist1d import MNIST1DCNN
+
+    hvd.init()
+    torch.set_num_threads(1)
+    x, y = torch.randn(args.batch, 40), torch.randint(0, 10, (args.batch,))
+
+    def make(method, wait):
+        torch.manual_seed(0)
+        model = MNIST1DCNN(args.channels)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if method == "horovod":
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        else:
+            os.environ["HVD_EXT_WAIT"] = wait  # read when the optimizer's transport is made
+            # across nodes, the route the model picks from the start (no flat / node-aware trial)
+            spec = method + ((":" if ":" not in method else ",") + "hierarchy_trial=0" if hvd.cross_size() > 1 else "")
+            opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=spec)
+        return model, opt
+
+    def step(run):
+        model, opt = run
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    runs = {("horovod", "spin"): make("horovod", "spin")}
+    runs.update({(m, w): make(m, w) for m in METHODS for w in WAITS})
+    for run in runs.values():
+        for _ in range(args.warmup):
+            step(run)
+    times = {k: [] for k in runs}
+    for r in range(args.rounds):
+        for k, run in runs.items():
+            hvd.allreduce(torch.zeros(1), name=f"wait_modes.sync.{r}.{k}")
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step(run)
+            times[k].append((time.perf_counter() - t0) / args.steps)
+    med = {k: hvd.allreduce(torch.tensor(statistics.median(v), dtype=torch.float64), op=hvd.Average,
+                            name=f"wait_modes.t.{k}").item() for k, v in times.items()}
+    if hvd.rank() == 0:
+        rows = [{"method": m, "wait": w, "step_ms": t * 1e3} for (m, w), t in med.items()]
+        Path(args.worker_out).write_text(json.dumps({"ranks": hvd.size(), "rows": rows}, indent=1))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--rates", nargs="+", default=["unshaped"])
+    ap.add_argument("--nodes2x2", nargs="*", default=["300mbit"])
+    ap.add_argument("--channels", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default="wait_modes")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    import common
+
+    common.add_load_option(ap)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    common.refuse_if_loaded(args)
+    machine, load = common.machine_info(), common.loadavg()
+    results = []
+
+    def world(label, stem, launch):
+        out = common.RESULTS / "wait_modes_logs" / f"{stem}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = launch + [common.PY, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
+                        "--channels", str(args.channels), "--batch", str(args.batch), "--steps", str(args.steps),
+                        "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
+        r = common.run_job(cmd, out.with_suffix(".log"), timeout=900)
+        if r["rc"] != 0 or not out.exists():
+            print(f"{label}: failed (rc {r['rc']}); see {out.with_suffix('.log')}\n{r['tail']}")
+            return
+        res = json.loads(out.read_text())
+        res.update(world=label, loadavg_end=common.loadavg())
+        results.append(res)
+
+    for n in args.ranks:
+        for rate in args.rates:
+            world(f"{n} ranks, {rate}", f"np{n}_{rate}",
+                  common.shaped_prefix(None if rate == "unshaped" else rate) + common.hvd_launcher(n))
+    for rate in args.nodes2x2:
+        world(f"2 nodes x 2, inter {rate}", f"2x2_{rate}",
+              [str(common.SHAPED), "--nodes", "2", "--ranks-per-node", "2", "--inter", rate, "--",
+               "horovodrun", "-np", "4", "-H", "node1:2,node2:2", "--gloo", "--start-timeout", "120"])
+    doc = {"machine": machine, "loadavg_start": load, "results": results,
+           "command": "python benchmarks/wait_modes.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    common.write_json(common.RESULTS / f"{args.out}.json", doc)
+    (common.RESULTS / f"{args.out}.md").write_text(render(doc))
+    print(render(doc))
+
+
+def render(doc) -> str:
+    lines = ["# Spin or sleep while waiting for a collective", "",
+             f"`{doc['command']}`; load at start {doc['loadavg_start']} on this 2-core machine. One job per "
+             "world, methods in turns; median ms/step (the ranks' mean). `auto` chooses `sleep` where a node "
+             "runs more ranks than cores (4 ranks here); the 2 nodes x 2 testbed shares this machine's 2 "
+             "cores, which its ranks cannot see, so `auto` spins there.", "",
+             "| world | method | spin ms | sleep ms | sleep / spin | spin / Horovod | sleep / Horovod |",
+             "|---|---|---|---|---|---|---|"]
+    for res in doc["results"]:
+        t = {(r["method"], r["wait"]): r["step_ms"] for r in res["rows"]}
+        hv = t[("horovod", "spin")]
+        lines.append(f"| {res['world']} | plain Horovod | {hv:.1f} | - | - | 1.00 | - |")
+        for m in METHODS:
+            a, b = t[(m, "spin")], t[(m, "sleep")]
+            lines.append(f"| {res['world']} | `{m}` | {a:.1f} | {b:.1f} | {b / a:.2f} | {a / hv:.2f} | {b / hv:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
