@@ -461,6 +461,7 @@ REPRODUCE = [
     "python benchmarks/plan_check.py --ranks 2 4 --rates 100mbit 300mbit 1gbit unshaped --nodes2x2 300mbit"
     "   # the planner, predicted / measured",
     "python benchmarks/plan_projections.py    # the planner to 1024 GPUs on the cited presets (docs/scale.md)",
+    "python benchmarks/wait_modes.py          # spin or sleep while waiting, where ranks share cores",
     "python benchmarks/make_results.py        # this file",
 ]
 
