@@ -11,7 +11,8 @@ Format (JSON)::
                "intra": {"alpha": s per message, "bandwidth": B/s},     # inside a node
                "inter": {"alpha": ..., "bandwidth": ...},               # between nodes (M > 1)
                "horovod": {"lat": s, "bandwidth": B/s, "lat_by_kind": {"allreduce": s},  # optional:
-                           "busy_lat_by_kind": {"allreduce": s}}},  # Horovod's own wait (waiting.py)
+                           "busy_lat_by_kind": {"allreduce": s}},  # Horovod's own wait (waiting.py)
+               "horovod_fp16": {"lat": s, "bandwidth": B/s of float16}},  # optional: Horovod's fp16 sum
      "codec": {"<spec>": elements per second of one encode or decode pass, ...},
      "codec_fixed_s": {"<spec>": seconds one pass costs whatever its size, ...},
      "compute_s": optional seconds of one step's forward + backward}
@@ -52,7 +53,8 @@ def load(path: str) -> Dict[str, Any]:
         raise _bad(path, f"version must be {VERSION}")
     links = cal.get("links", {})
     for name, need in (("flat", ("lat", "bandwidth")), ("intra", ("alpha", "bandwidth")),
-                       ("inter", ("alpha", "bandwidth")), ("horovod", ("lat", "bandwidth"))):
+                       ("inter", ("alpha", "bandwidth")), ("horovod", ("lat", "bandwidth")),
+                       ("horovod_fp16", ("lat", "bandwidth"))):
         if name in links:
             link = links[name]
             if not isinstance(link, dict) or any(not isinstance(link.get(k), (int, float)) or link[k] < 0

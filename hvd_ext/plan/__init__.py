@@ -209,9 +209,12 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
     lat = dict(flat.get("busy_lat_by_kind") or flat.get("lat_by_kind") or {}) if same_world else {}
     hv = links.get("horovod") if same_world and "bandwidth" in flat else None
     hv_lat = (hv.get("busy_lat_by_kind") or hv.get("lat_by_kind") or {}).get("allreduce", hv["lat"]) if hv else None
+    base = hv or flat  # Horovod's float32 allreduce, against which its float16 one is measured
+    h16 = links.get("horovod_fp16") if same_world and "bandwidth" in flat else None
     return Cluster(nodes, local, intra, inter, codec, codec_on_compute=device == "cpu", codec_fixed=fixed,
                    collective_lat=lat, horovod_lat=hv_lat,
-                   horovod_slowdown=flat["bandwidth"] / hv["bandwidth"] if hv else 1.0), device
+                   horovod_slowdown=flat["bandwidth"] / hv["bandwidth"] if hv else 1.0,
+                   horovod_fp16_slowdown=base["bandwidth"] / h16["bandwidth"] if h16 else 1.0), device
 
 
 def predict_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster, methods: Iterable[str],

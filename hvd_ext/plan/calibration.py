@@ -20,7 +20,9 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
   cores, for the scheduler to run every rank's part in turn. The planner uses these when present;
 * **Horovod's own allreduce** -- only where hvd_ext waits otherwise than Horovod (ranks share cores:
   :mod:`hvd_ext.exchange.waiting`): the flat allreduce again, waited for by Horovod's spinning
-  ``synchronize``, for the planner's Horovod rows.
+  ``synchronize``, for the planner's Horovod rows; and always Horovod's float16 allreduce, which
+  its fp16 compression uses (on a CPU Horovod sums float16 element by element in scalar code, slower
+  per byte than float32; hvd_ext sums half precision in float32 itself).
 
 Every rank runs the same collectives in the same order; rank 0 writes the file.
 """
@@ -109,17 +111,18 @@ class _Job:
             torch.cuda.synchronize(self.device)
 
 
-def _flat_link(job: _Job, tag: str, kinds: Sequence[str] = calibration.COLLECTIVES) -> Dict[str, Any]:
-    """A small and a large allreduce over all ranks, fitted to ``lat + wire / bandwidth``, and the fixed
-    cost of each collective of ``kinds``."""
-    large = torch.zeros(LARGE, device=job.device)
+def _flat_link(job: _Job, tag: str, kinds: Sequence[str] = calibration.COLLECTIVES,
+               dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
+    """A small and a large allreduce of ``dtype`` over all ranks, fitted to ``lat + wire / bandwidth``, and
+    the fixed cost of each collective of ``kinds``."""
+    large = torch.zeros(LARGE, device=job.device, dtype=dtype)
     run = job.small_collectives(tag)
     run["allreduce"]()  # the ranks start together
     t_small = best_time(run["allreduce"], 5)
     t_large = best_time(lambda: job.allreduce(large, f"hvd_ext.calibrate.{tag}.large"), 3)
     t_kinds = [t_small if k == "allreduce" else best_time(run[k], 5) for k in kinds]
     t_small, t_large, *t_kinds = job.mean([t_small, t_large, *t_kinds])
-    wire = cost.allreduce_wire(4.0 * (LARGE - SMALL), job.N)
+    wire = cost.allreduce_wire(large.element_size() * (LARGE - SMALL), job.N)
     return {"lat": t_small, "bandwidth": wire / max(t_large - t_small, 1e-7), "lat_by_kind": dict(zip(kinds, t_kinds))}
 
 
@@ -193,12 +196,16 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     if step is not None:
         out["compute_s"] = _measure_compute(job, step, steps)
         links["flat"]["busy_lat_by_kind"] = _measure_busy_latency(job, step, steps)
+    hjob = job
     if getattr(job.top, "sleeps", False):  # hvd_ext waits otherwise than Horovod here: time Horovod's own allreduce too
         hjob = _Job(job.ex, device, HorovodTransport(wait="spin"))
         links["horovod"] = _flat_link(hjob, "horovod", kinds=("allreduce",))
         if step is not None:
             links["horovod"]["busy_lat_by_kind"] = _measure_busy_latency(hjob, step, steps, "horovod.busy",
                                                                          kinds=("allreduce",))
+    # Horovod's own float16 allreduce (its fp16 compression), whose sum on a CPU is scalar code
+    links["horovod_fp16"] = {k: v for k, v in _flat_link(hjob, "horovod.fp16", kinds=(), dtype=torch.float16).items()
+                             if k != "lat_by_kind"}
     return out
 
 

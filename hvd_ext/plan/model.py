@@ -50,7 +50,8 @@ class Cluster:
     ``codec_on_compute``: the codec shares the compute engine (a CPU);
     ``horovod_lat`` / ``horovod_slowdown``: where Horovod's own allreduce waits otherwise than hvd_ext's
     (ranks share cores, :mod:`hvd_ext.exchange.waiting`), its measured fixed seconds and how many times
-    slower it moves bytes than the flat link (:func:`horovod_view`)."""
+    slower it moves bytes than the flat link (:func:`horovod_view`); ``horovod_fp16_slowdown``: how
+    many times slower per byte Horovod's float16 allreduce is than its float32 one (measured)."""
 
     nodes: int
     local: int
@@ -62,6 +63,7 @@ class Cluster:
     collective_lat: Dict[str, float] = field(default_factory=dict)  # measured seconds per collective, flat
     horovod_lat: Optional[float] = None
     horovod_slowdown: float = 1.0
+    horovod_fp16_slowdown: float = 1.0
 
     @property
     def size(self) -> int:
@@ -176,29 +178,32 @@ def make_row(label: str, spec: Optional[str], route: str, costs: List[BucketCost
                sum(b.seconds for b in costs), step_seconds(costs, compute_s, c.codec_on_compute), costs, note)
 
 
-def horovod_view(c: Cluster) -> Cluster:
-    """The cluster as Horovod's own collectives see it: with its measured allreduce latency, and every
-    link slowed as its measured flat allreduce was (``c`` itself where none was measured)."""
-    if c.horovod_lat is None:
+def horovod_view(c: Cluster, fp16: bool = False) -> Cluster:
+    """The cluster as Horovod's own (``fp16``: float16) allreduce sees it: with its measured latency, and
+    every link slowed as its measured flat allreduce was (``c`` itself where nothing was measured)."""
+    slow = max(c.horovod_slowdown * (c.horovod_fp16_slowdown if fp16 else 1.0), 1e-9)
+    if c.horovod_lat is None and slow == 1.0:
         return c
-    slow = max(c.horovod_slowdown, 1e-9)
+    lat = c.collective_lat
+    if c.horovod_lat is not None and lat:
+        lat = {**lat, "allreduce": c.horovod_lat}
     return dataclasses.replace(
         c, intra=dataclasses.replace(c.intra, bandwidth=c.intra.bandwidth / slow),
-        inter=dataclasses.replace(c.inter, bandwidth=c.inter.bandwidth / slow),
-        collective_lat={**c.collective_lat, "allreduce": c.horovod_lat} if c.collective_lat else {})
+        inter=dataclasses.replace(c.inter, bandwidth=c.inter.bandwidth / slow), collective_lat=lat)
 
 
 def horovod_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster) -> List[Row]:
     """Horovod's fp32 and fp16 allreduce, and its hierarchical allreduce across nodes."""
-    c = horovod_view(c)
     buckets = [numel_of(b) for b in buckets_of(shapes, HOROVOD_FUSION_BYTES, None)]
     rows = []
     for label, width, spec in (("horovod", 4.0, None), ("horovod fp16", 2.0, "fp16")):
+        hc = horovod_view(c, fp16=spec is not None)
         costs = []
         for n in buckets:
-            enc = codec_seconds(spec, n, c) if spec else 0.0
-            costs.append(flat_cost("allreduce", n, width * n, enc, enc, c))
-        rows.append(make_row(label, None, "allreduce", costs, compute_s, c))
+            enc = codec_seconds(spec, n, hc) if spec else 0.0
+            costs.append(flat_cost("allreduce", n, width * n, enc, enc, hc))
+        rows.append(make_row(label, None, "allreduce", costs, compute_s, hc))
+    c = horovod_view(c)
     if c.nodes > 1 and c.local > 1:
         costs = [node_aware_cost("allreduce", n, 4.0 * n, 0.0, 0.0, c) for n in buckets]
         rows.append(make_row("horovod hierarchical", None, "node:allreduce", costs, compute_s, c,

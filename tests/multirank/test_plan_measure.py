@@ -23,6 +23,7 @@ def test_measure_writes_a_calibration_the_planner_reads(tmp_path):
     assert cal["links"]["flat"]["bandwidth"] > 1e6 and cal["links"]["flat"]["lat"] > 0
     assert set(cal["links"]["flat"]["lat_by_kind"]) == {"allreduce", "allgather", "alltoall"}
     assert cal["links"]["horovod"]["bandwidth"] > 1e6 and set(cal["links"]["horovod"]["lat_by_kind"]) == {"allreduce"}
+    assert cal["links"]["horovod_fp16"]["bandwidth"] > 1e5 and cal["links"]["horovod_fp16"]["lat"] > 0
     assert cal["codec"]["qsgd:bits=8"] > 1e6 and "fp16" in cal["codec"]  # auto's candidates too
     p = subprocess.run([sys.executable, "-m", "hvd_ext.plan", "--params", "2e6", "--compute-ms", "5",
                         "--calibration", str(out), "--methods", "qsgd:bits=8"],

@@ -139,6 +139,12 @@ def test_horovods_own_allreduce_prices_only_horovods_rows():
     assert link == pytest.approx(wire / 1e8, rel=1e-6)
     assert spun.row("horovod").exchange_s == pytest.approx(0.03 + wire / 5e7, rel=1e-6)
     assert spun.row("qsgd:bits=8", "twophase").step_s == base.row("qsgd:bits=8", "twophase").step_s
+    # Horovod's float16 sum, measured at a quarter of the float32 bytes/s: only its fp16 row slows
+    half = plan(1_000_000, calibration={**cal, "links": {**cal["links"], "horovod_fp16": {"lat": 1e-3,
+                                                                                           "bandwidth": 2.5e7}}}, **kw)
+    assert half.row("horovod fp16").exchange_s - base.row("horovod fp16").exchange_s == pytest.approx(
+        wire / 2 / 2.5e7 - wire / 2 / 1e8, rel=1e-6)
+    assert half.row("horovod").exchange_s == base.row("horovod").exchange_s
     other_world = plan(1_000_000, calibration={**cal, "links": {**cal["links"], "horovod": hv}},
                        **{**kw, "nodes": 2, "gpus_per_node": 4})
     assert other_world.cluster.horovod_lat is None  # measured for the calibrated world only
