@@ -14,7 +14,7 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
   (16k elements) and a ``codec_numel``-element gradient on this rank's device (CUDA when there is
   one), CUDA events around the work: a fixed cost per pass and elements per second, the ranks' mean;
 * **compute** -- only when a ``step`` callable is given to :func:`measure` (the API): the median of
-  its timed calls; and then also each kind of collective **in a step** (``busy_lat_by_kind``): a
+  its timed calls, the ranks starting each call together; and then also each kind of collective **in a step** (``busy_lat_by_kind``): a
   small allreduce, allgather and alltoall timed right after every rank ran ``step`` -- what a
   collective costs in training, where it waits for the slowest rank's compute and, when ranks share
   cores, for the scheduler to run every rank's part in turn. The planner uses these when present;
@@ -146,9 +146,13 @@ def _measure_links(job: _Job) -> tuple:
 
 
 def _measure_compute(job: _Job, step: Callable[[], Any], steps: int) -> float:
-    """The ranks' mean of the median seconds of ``step`` (the first call left out)."""
+    """The ranks' mean of the median seconds of ``step`` (the first call left out). The ranks start every
+    step together, as training's collectives make them: where they share cores, each then computes
+    while the others do (a rank that finished early would otherwise leave them its core)."""
     times = []
+    tick = torch.zeros(1, device=job.device)
     for _ in range(steps):
+        job.allreduce(tick, "hvd_ext.calibrate.compute.start")
         t0 = time.perf_counter()
         job.run_step(step)
         times.append(time.perf_counter() - t0)

@@ -6,11 +6,14 @@ from hvd_ext.exchange import waiting
 
 
 @pytest.fixture
-def machine(monkeypatch):
-    """Pretend this machine has ``cores`` cores and this process may run on ``mine`` of them."""
+def machine(monkeypatch, tmp_path):
+    """Pretend this machine has ``cores`` cores and this process may run on ``mine`` of them; its
+    container's CPU quota is read from ``tmp_path / "cpu.max"`` (none unless a test writes it)."""
     def set_(cores, mine=None):
         monkeypatch.setattr(waiting.os, "cpu_count", lambda: cores)
         monkeypatch.setattr(waiting.os, "sched_getaffinity", lambda pid: set(range(mine or cores)), raising=False)
+    monkeypatch.setattr(waiting, "CGROUP_V2_CPU_MAX", str(tmp_path / "cpu.max"))
+    monkeypatch.setattr(waiting, "CGROUP_V1_QUOTA", (str(tmp_path / "quota"), str(tmp_path / "period")))
     monkeypatch.delenv("HVD_EXT_WAIT", raising=False)
     return set_
 
@@ -26,6 +29,14 @@ def machine(monkeypatch):
 def test_auto_sleeps_exactly_when_ranks_outnumber_cores(machine, cores, mine, local, mode):
     machine(cores, mine)
     assert waiting.wait_mode(local) == mode
+
+
+@pytest.mark.parametrize("cpu_max,mode", [("400000 100000", "sleep"), ("max 100000", "spin"),
+                                           ("1600000 100000", "spin")])
+def test_a_containers_cpu_quota_counts_as_its_cores(machine, tmp_path, cpu_max, mode):
+    machine(64)  # 8 ranks on a 64-core host, in a container of 4 cores (sleep), no limit or 16 (spin)
+    (tmp_path / "cpu.max").write_text(cpu_max + "\n")
+    assert waiting.wait_mode(8) == mode
 
 
 def test_environment_overrides_the_rule_and_bad_values_are_named(machine, monkeypatch):
