@@ -134,6 +134,44 @@ def hvd_launcher(np_: int, kind: str = "gloo") -> List[str]:
     raise ValueError(f"unknown launcher {kind!r}")
 
 
+def two_nodes_launcher(rate: str, ranks_per_node: int = 2) -> List[str]:
+    """The 2-node testbed (``scripts/shaped-cluster``: a namespace per node, the links between nodes shaped to
+    ``rate``) with horovodrun over it, ``ranks_per_node`` ranks on each node."""
+    n = 2 * ranks_per_node
+    return [str(SHAPED), "--nodes", "2", "--ranks-per-node", str(ranks_per_node), "--inter", rate, "--",
+            "horovodrun", "-np", str(n), "-H", f"node1:{ranks_per_node},node2:{ranks_per_node}", "--gloo",
+            "--start-timeout", "120"]
+
+
+def run_worker(script: str, logs: str, stem: str, launch: List[str], worker_args: List[str],
+               label: str, timeout: float = 900) -> Optional[Dict]:
+    """``launch`` (testbed + launcher prefix) runs ``script --worker``, which writes its JSON to
+    benchmarks/results/LOGS/STEM.json (its output to STEM.log); that JSON, or None (said) if it failed."""
+    out = RESULTS / logs / f"{stem}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    cmd = launch + [PY, str(Path(script).resolve()), "--worker", "--worker-out", str(out), *worker_args]
+    r = run_job(cmd, out.with_suffix(".log"), timeout=timeout)
+    if r["rc"] != 0 or not out.exists():
+        print(f"{label}: failed (rc {r['rc']}); see {out.with_suffix('.log')}\n{r['tail']}")
+        return None
+    return json.loads(out.read_text())
+
+
+def results_doc(script: str, argv: Optional[List[str]], machine: Dict, load, results: List[Dict]) -> Dict:
+    """A benchmark's results file: the machine, its load at the start, the results and the command."""
+    return {"machine": machine, "loadavg_start": load, "results": results,
+            "command": f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:])}
+
+
+def save_results(name: str, doc, render: Callable[[Dict], str]) -> None:
+    """``doc`` to benchmarks/results/NAME.json and its rendering to NAME.md; the rendering printed."""
+    write_json(RESULTS / f"{name}.json", doc)
+    text = render(doc)
+    (RESULTS / f"{name}.md").write_text(text)
+    print(text)
+
+
 def torchrun_launcher(np_: int, port: int = 29511) -> List[str]:
     return [str(Path(PY).with_name("torchrun")), "--nnodes", "1", "--nproc_per_node", str(np_),
             "--master_addr", "127.0.0.1", "--master_port", str(port)]

@@ -158,16 +158,11 @@ def main(argv=None):
 
     def world(label: str, link: str, stem: str, launch: list):
         """One job: ``launch`` (testbed + launcher prefix) runs the worker; its result joins ``results``."""
-        out = common.RESULTS / "plan_check_logs" / f"{stem}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = launch + [common.PY, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
-                        "--channels", str(args.channels), "--batch", str(args.batch), "--steps", str(args.steps),
-                        "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
-        r = common.run_job(cmd, out.with_suffix(".log"), timeout=900)
-        if r["rc"] != 0 or not out.exists():
-            print(f"{label}: failed (rc {r['rc']}); see {out.with_suffix('.log')}\n{r['tail']}")
+        res = common.run_worker(__file__, "plan_check_logs", stem, launch, [
+            "--channels", str(args.channels), "--batch", str(args.batch), "--steps", str(args.steps),
+            "--rounds", str(args.rounds), "--warmup", str(args.warmup)], label)
+        if res is None:
             return
-        res = json.loads(out.read_text())
         res.update(rate=link, loadavg_end=common.loadavg())
         results.append(res)
         ratios = [row["step_ratio"] for row in res["rows"]]
@@ -182,14 +177,8 @@ def main(argv=None):
         # The testbed's two nodes share this machine's cores, which a rank cannot see (each node is a
         # host of its own): tell hvd_ext's ranks to wait as on a node with more ranks than cores.
         world(f"2x2 {rate}", f"2 nodes x 2, inter {rate}", f"2x2_{rate}",
-              ["env", f"HVD_EXT_WAIT={TESTBED_NODES_WAIT}",
-               str(common.SHAPED), "--nodes", "2", "--ranks-per-node", "2", "--inter", rate, "--",
-               "horovodrun", "-np", "4", "-H", "node1:2,node2:2", "--gloo", "--start-timeout", "120"])
-    doc = {"machine": machine, "loadavg_start": load, "results": results,
-           "command": "python benchmarks/plan_check.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    common.write_json(common.RESULTS / f"{args.out}.json", doc)
-    (common.RESULTS / f"{args.out}.md").write_text(render(doc))
-    print(render(doc))
+              ["env", f"HVD_EXT_WAIT={TESTBED_NODES_WAIT}"] + common.two_nodes_launcher(rate))
+    common.save_results(args.out, common.results_doc("plan_check.py", argv, machine, load, results), render)
 
 
 def render(doc) -> str:

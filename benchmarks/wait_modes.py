@@ -80,6 +80,11 @@ def worker(args) -> None:
         Path(args.worker_out).write_text(json.dumps({"ranks": hvd.size(), "rows": rows}, indent=1))
 
 
+def worker_args(args) -> list:
+    return ["--channels", str(args.channels), "--batch", str(args.batch), "--steps", str(args.steps),
+            "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -104,32 +109,18 @@ def main(argv=None):
     results = []
 
     def world(label, stem, launch):
-        out = common.RESULTS / "wait_modes_logs" / f"{stem}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = launch + [common.PY, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
-                        "--channels", str(args.channels), "--batch", str(args.batch), "--steps", str(args.steps),
-                        "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
-        r = common.run_job(cmd, out.with_suffix(".log"), timeout=900)
-        if r["rc"] != 0 or not out.exists():
-            print(f"{label}: failed (rc {r['rc']}); see {out.with_suffix('.log')}\n{r['tail']}")
-            return
-        res = json.loads(out.read_text())
-        res.update(world=label, loadavg_end=common.loadavg())
-        results.append(res)
+        res = common.run_worker(__file__, "wait_modes_logs", stem, launch, worker_args(args), label)
+        if res is not None:
+            res.update(world=label, loadavg_end=common.loadavg())
+            results.append(res)
 
     for n in args.ranks:
         for rate in args.rates:
             world(f"{n} ranks, {rate}", f"np{n}_{rate}",
                   common.shaped_prefix(None if rate == "unshaped" else rate) + common.hvd_launcher(n))
     for rate in args.nodes2x2:
-        world(f"2 nodes x 2, inter {rate}", f"2x2_{rate}",
-              [str(common.SHAPED), "--nodes", "2", "--ranks-per-node", "2", "--inter", rate, "--",
-               "horovodrun", "-np", "4", "-H", "node1:2,node2:2", "--gloo", "--start-timeout", "120"])
-    doc = {"machine": machine, "loadavg_start": load, "results": results,
-           "command": "python benchmarks/wait_modes.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    common.write_json(common.RESULTS / f"{args.out}.json", doc)
-    (common.RESULTS / f"{args.out}.md").write_text(render(doc))
-    print(render(doc))
+        world(f"2 nodes x 2, inter {rate}", f"2x2_{rate}", common.two_nodes_launcher(rate))
+    common.save_results(args.out, common.results_doc("wait_modes.py", argv, machine, load, results), render)
 
 
 def render(doc) -> str:
