@@ -32,16 +32,20 @@ CGROUP_V1_QUOTA = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cp
 def cgroup_cpus() -> Optional[float]:
     """The CPU quota of this process's cgroup in cores (a container's limit), None without one."""
     try:
-        with open(CGROUP_V2_CPU_MAX) as f:
-            quota, period = f.read().split()[:2]
+        quota, period = _read(CGROUP_V2_CPU_MAX).split()[:2]
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         pass
     try:
-        quota, period = (int(open(path).read()) for path in CGROUP_V1_QUOTA)
+        quota, period = (int(_read(path)) for path in CGROUP_V1_QUOTA)
         return quota / period if quota > 0 and period > 0 else None
     except (OSError, ValueError):
         return None
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 def cores_per_rank(local_size: int) -> float:
