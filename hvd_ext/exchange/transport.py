@@ -45,6 +45,7 @@ import torch
 
 from .waiting import sleep_until, wait_mode
 
+
 @dataclass(frozen=True)
 class Topology:
     """Where this rank sits: ``local_rank`` of ``local_size`` on node ``cross_rank`` of ``cross_size``.
@@ -273,6 +274,8 @@ def forget_node_groups(group: Any) -> None:
     """Drop every node group made over ``group`` (a process set or torch group): the world changed."""
     for key in [k for k in _NODE_GROUPS if k[1] == id(group)]:
         del _NODE_GROUPS[key]
+
+
 NODE_GROUP_MODES = ("alltoall", "process_sets")
 
 

@@ -14,7 +14,8 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
   (16k elements) and a ``codec_numel``-element gradient on this rank's device (CUDA when there is
   one), CUDA events around the work: a fixed cost per pass and elements per second, the ranks' mean;
 * **compute** -- only when a ``step`` callable is given to :func:`measure` (the API): the median of
-  its timed calls, the ranks starting each call together; and then also each kind of collective **in a step** (``busy_lat_by_kind``): a
+  its timed calls, the ranks starting each call together; and then also each kind of collective
+  **in a step** (``busy_lat_by_kind``): a
   small allreduce, allgather and alltoall timed right after every rank ran ``step`` -- what a
   collective costs in training, where it waits for the slowest rank's compute and, when ranks share
   cores, for the scheduler to run every rank's part in turn. The planner uses these when present;
