@@ -2,6 +2,7 @@
 wrapper, running a launched job with a step-progress bar, and small formatters."""
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import math
@@ -134,6 +135,13 @@ def hvd_launcher(np_: int, kind: str = "gloo") -> List[str]:
     raise ValueError(f"unknown launcher {kind!r}")
 
 
+def flat_worlds(ranks: List[int], rates: List[str]):
+    """(N, rate, launch prefix) for N ranks on one node whose loopback is shaped to ``rate`` (``unshaped``: not)."""
+    for n in ranks:
+        for rate in rates:
+            yield n, rate, shaped_prefix(None if rate == "unshaped" else rate) + hvd_launcher(n)
+
+
 def two_nodes_launcher(rate: str, ranks_per_node: int = 2) -> List[str]:
     """The 2-node testbed (``scripts/shaped-cluster``: a namespace per node, the links between nodes shaped to
     ``rate``) with horovodrun over it, ``ranks_per_node`` ranks on each node."""
@@ -141,6 +149,40 @@ def two_nodes_launcher(rate: str, ranks_per_node: int = 2) -> List[str]:
     return [str(SHAPED), "--nodes", "2", "--ranks-per-node", str(ranks_per_node), "--inter", rate, "--",
             "horovodrun", "-np", str(n), "-H", f"node1:{ranks_per_node},node2:{ranks_per_node}", "--gloo",
             "--start-timeout", "120"]
+
+
+def add_worker_options(ap, out: str, steps: int, rounds: int) -> None:
+    """The options of a benchmark whose worlds each run one job of the main job's CNN, methods in turns
+    (``--rounds`` of ``--steps`` steps), and its worker's hidden ones; :func:`worker_args` forwards them."""
+    ap.add_argument("--channels", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default=out, help="results name: benchmarks/results/OUT.{json,md}")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+
+
+def worker_args(args) -> List[str]:
+    """The options of :func:`add_worker_options` that a world's job passes on to its worker."""
+    return ["--channels", str(args.channels), "--batch", str(args.batch), "--steps", str(args.steps),
+            "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
+
+
+def time_in_turns(runs: Dict, step: Callable, rounds: int, steps: int, sync: Callable[[str], None]) -> Dict:
+    """Seconds per step of each of ``runs`` (key -> what ``step`` takes): ``rounds`` rounds in which every
+    run takes ``steps`` steps in turn, so the machine's drift hits them alike; ``sync(name)`` lines the
+    ranks up before each turn."""
+    times: Dict = {k: [] for k in runs}
+    for r in range(rounds):
+        for k, run in runs.items():
+            sync(f"turns.{r}.{k}")
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(run)
+            times[k].append((time.perf_counter() - t0) / steps)
+    return times
 
 
 def run_worker(script: str, logs: str, stem: str, launch: List[str], worker_args: List[str],

@@ -27,7 +27,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,6 +48,7 @@ def worker(args) -> None:
     import torch
     import torch.nn.functional as F
 
+    import common
     import hvd_ext
     from hvd_ext.examples.mnist1d import MNIST1DCNN
     from hvd_ext.plan import plan
@@ -94,14 +94,8 @@ def worker(args) -> None:
         for _ in range(args.warmup):
             step(run)
         wire0[m] = wire(run)
-    times = {m: [] for m in METHODS}
-    for r in range(args.rounds):
-        for m, run in runs.items():
-            hvd.allreduce(torch.zeros(1), name=f"plan_check.sync.{r}.{m}")
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                step(run)
-            times[m].append((time.perf_counter() - t0) / args.steps)
+    times = common.time_in_turns(runs, step, args.rounds, args.steps,
+                                 lambda name: hvd.allreduce(torch.zeros(1), name=f"plan_check.{name}"))
     model = runs["horovod"][0]
     dense = 4.0 * sum(p.numel() for p in model.parameters())
     measured = {}
@@ -137,16 +131,9 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rates", nargs="+", default=["300mbit", "unshaped"])
     ap.add_argument("--nodes2x2", nargs="*", default=[], help="also 2 nodes x 2 ranks at these inter-node rates")
-    ap.add_argument("--channels", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--out", default="plan_check", help="results name: benchmarks/results/OUT.{json,md}")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     import common
 
+    common.add_worker_options(ap, out="plan_check", steps=10, rounds=4)
     common.add_load_option(ap)
     args = ap.parse_args(argv)
     if args.worker:
@@ -158,9 +145,7 @@ def main(argv=None):
 
     def world(label: str, link: str, stem: str, launch: list):
         """One job: ``launch`` (testbed + launcher prefix) runs the worker; its result joins ``results``."""
-        res = common.run_worker(__file__, "plan_check_logs", stem, launch, [
-            "--channels", str(args.channels), "--batch", str(args.batch), "--steps", str(args.steps),
-            "--rounds", str(args.rounds), "--warmup", str(args.warmup)], label)
+        res = common.run_worker(__file__, "plan_check_logs", stem, launch, common.worker_args(args), label)
         if res is None:
             return
         res.update(rate=link, loadavg_end=common.loadavg())
@@ -169,10 +154,8 @@ def main(argv=None):
         print(f"{label}: predicted/measured step median {statistics.median(ratios):.2f} "
               f"[{min(ratios):.2f}, {max(ratios):.2f}]")
 
-    for n in args.ranks:
-        for rate in args.rates:
-            world(f"np {n} {rate}", rate, f"np{n}_{rate}",
-                  common.shaped_prefix(None if rate == "unshaped" else rate) + common.hvd_launcher(n))
+    for n, rate, launch in common.flat_worlds(args.ranks, args.rates):
+        world(f"np {n} {rate}", rate, f"np{n}_{rate}", launch)
     for rate in args.nodes2x2:  # 2 nodes x 2 ranks, the inter-node links shaped to ``rate``
         # The testbed's two nodes share this machine's cores, which a rank cannot see (each node is a
         # host of its own): tell hvd_ext's ranks to wait as on a node with more ranks than cores.

@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,6 +33,7 @@ def worker(args) -> None:
     import torch
     import torch.nn.functional as F
 
+    import common
     import hvd_ext
     from hvd_ext.examples.mnist1d import MNIST1DCNN
 
@@ -65,14 +65,8 @@ def worker(args) -> None:
     for run in runs.values():
         for _ in range(args.warmup):
             step(run)
-    times = {k: [] for k in runs}
-    for r in range(args.rounds):
-        for k, run in runs.items():
-            hvd.allreduce(torch.zeros(1), name=f"wait_modes.sync.{r}.{k}")
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                step(run)
-            times[k].append((time.perf_counter() - t0) / args.steps)
+    times = common.time_in_turns(runs, step, args.rounds, args.steps,
+                                 lambda name: hvd.allreduce(torch.zeros(1), name=f"wait_modes.{name}"))
     med = {k: hvd.allreduce(torch.tensor(statistics.median(v), dtype=torch.float64), op=hvd.Average,
                             name=f"wait_modes.t.{k}").item() for k, v in times.items()}
     if hvd.rank() == 0:
@@ -80,26 +74,14 @@ def worker(args) -> None:
         Path(args.worker_out).write_text(json.dumps({"ranks": hvd.size(), "rows": rows}, indent=1))
 
 
-def worker_args(args) -> list:
-    return ["--channels", str(args.channels), "--batch", str(args.batch), "--steps", str(args.steps),
-            "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rates", nargs="+", default=["unshaped"])
     ap.add_argument("--nodes2x2", nargs="*", default=["300mbit"])
-    ap.add_argument("--channels", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--out", default="wait_modes")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     import common
 
+    common.add_worker_options(ap, out="wait_modes", steps=8, rounds=3)
     common.add_load_option(ap)
     args = ap.parse_args(argv)
     if args.worker:
@@ -109,15 +91,13 @@ def main(argv=None):
     results = []
 
     def world(label, stem, launch):
-        res = common.run_worker(__file__, "wait_modes_logs", stem, launch, worker_args(args), label)
+        res = common.run_worker(__file__, "wait_modes_logs", stem, launch, common.worker_args(args), label)
         if res is not None:
             res.update(world=label, loadavg_end=common.loadavg())
             results.append(res)
 
-    for n in args.ranks:
-        for rate in args.rates:
-            world(f"{n} ranks, {rate}", f"np{n}_{rate}",
-                  common.shaped_prefix(None if rate == "unshaped" else rate) + common.hvd_launcher(n))
+    for n, rate, launch in common.flat_worlds(args.ranks, args.rates):
+        world(f"{n} ranks, {rate}", f"np{n}_{rate}", launch)
     for rate in args.nodes2x2:
         world(f"2 nodes x 2, inter {rate}", f"2x2_{rate}", common.two_nodes_launcher(rate))
     common.save_results(args.out, common.results_doc("wait_modes.py", argv, machine, load, results), render)
