@@ -115,7 +115,7 @@ class _Job:
 def _flat_link(job: _Job, tag: str, kinds: Sequence[str] = calibration.COLLECTIVES,
                dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
     """A small and a large allreduce of ``dtype`` over all ranks, fitted to ``lat + wire / bandwidth``, and
-    the fixed cost of each collective of ``kinds``."""
+    the fixed cost of each collective of ``kinds`` (``lat_by_kind``, left out without kinds)."""
     large = torch.zeros(LARGE, device=job.device, dtype=dtype)
     run = job.small_collectives(tag)
     run["allreduce"]()  # the ranks start together
@@ -124,7 +124,8 @@ def _flat_link(job: _Job, tag: str, kinds: Sequence[str] = calibration.COLLECTIV
     t_kinds = [t_small if k == "allreduce" else best_time(run[k], 5) for k in kinds]
     t_small, t_large, *t_kinds = job.mean([t_small, t_large, *t_kinds])
     wire = cost.allreduce_wire(large.element_size() * (LARGE - SMALL), job.N)
-    return {"lat": t_small, "bandwidth": wire / max(t_large - t_small, 1e-7), "lat_by_kind": dict(zip(kinds, t_kinds))}
+    link = {"lat": t_small, "bandwidth": wire / max(t_large - t_small, 1e-7)}
+    return {**link, "lat_by_kind": dict(zip(kinds, t_kinds))} if kinds else link
 
 
 def _measure_links(job: _Job) -> tuple:
@@ -209,8 +210,7 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
             links["horovod"]["busy_lat_by_kind"] = _measure_busy_latency(hjob, step, steps, "horovod.busy",
                                                                          kinds=("allreduce",))
     # Horovod's own float16 allreduce (its fp16 compression), whose sum on a CPU is scalar code
-    links["horovod_fp16"] = {k: v for k, v in _flat_link(hjob, "horovod.fp16", kinds=(), dtype=torch.float16).items()
-                             if k != "lat_by_kind"}
+    links["horovod_fp16"] = _flat_link(hjob, "horovod.fp16", kinds=(), dtype=torch.float16)
     return out
 
 
