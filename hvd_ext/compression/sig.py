@@ -8,7 +8,10 @@ k = ceil(ratio * n_bucket) coordinates per bucket is split over the bucket's
 tensors and each tensor sends its k_l highest-scored coordinates (exact top-k
 with ties to the lowest index, or ``mode=sampled`` threshold as in ``topk``);
 values sent are u, unsent mass stays in the feedback memory (default
-``residual``; ``ewma`` works too).
+``residual``; ``ewma`` works too). Under ``torch.optim.SGD`` with momentum the residual
+feedback takes the momentum over, with DGC's momentum correction and masking
+(``hvd_ext.feedback.residual.correct_momentum``): the optimizer's momentum applied to the rare
+bursts of a coordinate that waited for its turn overshoots at high sparsity.
 
 ``split`` chooses how the budget is divided (needs the pipeline's
 ``prepare_bucket`` hook; a lone ``compress`` call behaves as a one-tensor bucket):
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from ..feedback.residual import correct_momentum
 from ..ops.device import read
 from ..options import Option, non_negative, positive
 from ._sparse import SparseCompressor, abs_score, count_for, payload_bytes, split_budget
@@ -43,6 +47,10 @@ class SignificanceCompressor(SparseCompressor):
         eps=Option(float, 1e-3, "eps > 0", positive, help="added to |w| before the power"),
         split=Option(str, "mass", choices=("mass", "global", "layer"), help="how the budget is split"),
     )
+
+    def bind_optimizer(self, optimizer):
+        correct_momentum(self, optimizer)  # before the feedback takes the momentum over
+        super().bind_optimizer(optimizer)
 
     def score(self, flat: torch.Tensor, info, reuse: bool = False) -> torch.Tensor:
         """Saliency of every coordinate; ``reuse``: in the thread's reused score buffer (one tensor at a time)."""

@@ -39,23 +39,13 @@ import torch
 from ..options import Option, non_negative
 from .base import Feedback, MomentumTakeover, register
 from .residual import residual_of
+from .velocity import LocalVelocity
 
-_U = "\x00dgc_u"
 _V = "\x00dgc_v"
 
 
-def sent_mask(sent: torch.Tensor, info) -> torch.Tensor:
-    idx = info.sparse_indices if info is not None else None
-    flat = sent.reshape(-1)
-    if idx is None:
-        return flat != 0
-    mask = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
-    mask[idx.to(flat.device)] = True
-    return mask
-
-
 @register("dgc_momentum")
-class DGCMomentumFeedback(MomentumTakeover, Feedback):
+class DGCMomentumFeedback(LocalVelocity, MomentumTakeover, Feedback):
     options = {
         "momentum": Option(float, 0.9, "0 <= momentum < 1", lambda v: 0 <= v < 1,
                            help="momentum of the correction (default: the SGD optimizer's, which is taken over)"),
@@ -63,6 +53,7 @@ class DGCMomentumFeedback(MomentumTakeover, Feedback):
                        help="local gradient clipping: per-tensor max norm clip/sqrt(N)"),
     }
 
+    VELOCITY_KEY = "\x00dgc_u"
     adam_momentum = 0.0  # Adam's first moment is the momentum: correction off unless the spec sets it
 
     def __init__(self, **kw):
@@ -77,17 +68,11 @@ class DGCMomentumFeedback(MomentumTakeover, Feedback):
             norm = g.float().norm()
             clip = torch.isfinite(norm) & (norm > limit)
             g = g * torch.where(clip, limit / torch.where(clip, norm, torch.ones_like(norm)), 1.0).to(g.dtype)
-        u_old = self.memory.get(name + _U)
+        u = self.accumulate_velocity(name, g)
         v_old = self.memory.get(name + _V)
-        u = g.clone() if u_old is None else u_old * self.momentum + g
-        v = u.clone() if v_old is None else v_old + u
-        self._pending[name + _U] = u.detach()
-        return v
+        return u.clone() if v_old is None else v_old + u
 
     def update(self, name, u, sent, info):
         # ``u`` here is what compensate returned: the accumulated velocity v.
-        mask = sent_mask(sent, info).reshape(u.shape)
         self._pending[name + _V] = residual_of(u, sent)     # fused kernel on CUDA
-        mom = self._pending.get(name + _U)
-        if mom is not None:
-            self._pending[name + _U] = mom.masked_fill(mask, 0.0)
+        self.mask_velocity(name, sent, info)

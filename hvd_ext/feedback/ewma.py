@@ -29,6 +29,13 @@ and smooths the per-step estimate G_j / a_j instead:
 ``S_j <- beta * S_j + (1 - beta) * G_j / a_j`` on j in Omega, then a_j <- 0.
 ``rate=0`` smooths G_j as written above.
 
+Momentum (``momentum=m``; by default a ``torch.optim.SGD`` optimizer's momentum is taken over,
+see ``MomentumTakeover``): each rank accumulates its velocity u <- m*u + g before selection
+and u replaces g above, with DGC's momentum-factor masking on what it sent
+(:mod:`hvd_ext.feedback.velocity`). The prediction then smooths the exchanged velocity.
+At high sparsity a coordinate waits hundreds of steps; the optimizer's momentum applied to
+the burst it then delivers, and to the prediction, overshoots.
+
 sigma comes from ``info.scale`` (set by the pipeline), else 1/N.
 Without a support mask from the compressor, Omega = {G != 0}. ``lambda=0`` is
 exactly residual error feedback. S is part of the state dict.
@@ -44,15 +51,16 @@ import torch
 
 from ..ops import cuda_kernels as _K
 from ..options import Option, non_negative, unit_interval
-from .base import Feedback, register
+from .base import Feedback, MomentumTakeover, register
 from .residual import residual_of
+from .velocity import LocalVelocity
 
 _S = "\x00ewma_S"
 _AGE = "\x00ewma_age"
 
 
 @register("ewma")
-class EWMAFeedback(Feedback):
+class EWMAFeedback(LocalVelocity, MomentumTakeover, Feedback):
     needs_support = True
     options = {
         "beta": Option(float, 0.9, "0 <= beta <= 1", unit_interval, help="smoothing of S on sent coordinates"),
@@ -60,14 +68,22 @@ class EWMAFeedback(Feedback):
                          help="weight of the prediction lambda*S on coordinates nobody sent (0 = residual)"),
         "rate": Option(bool, True, "0 or 1",
                        help="smooth the per-step rate G_j / (steps since j was last sent) instead of G_j"),
+        "momentum": Option(float, 0.0, "0 <= momentum < 1", lambda v: 0 <= v < 1,
+                           help="velocity accumulated before selection, masked where sent (default: an SGD "
+                                "optimizer's momentum, taken over; 0 = the optimizer keeps its momentum)"),
     }
+    VELOCITY_KEY = "\x00ewma_u"
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.lam = self.opts["lambda"]
         self._share = {}
+        self._init_takeover(kw)
 
     def compensate(self, name, grad, info):
+        self._check_optimizer(info)
+        if self.momentum:
+            grad = self.accumulate_velocity(name, grad)
         mem = self.memory.get(name)
         return grad if mem is None else grad + mem
 
@@ -109,6 +125,8 @@ class EWMAFeedback(Feedback):
         if share is not None:
             r = r - share.reshape(r.shape).to(r.dtype)
         self._pending[name] = r.detach()
+        if self.momentum:
+            self.mask_velocity(name, sent, info)
 
     def discard(self):
         super().discard()

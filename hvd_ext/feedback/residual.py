@@ -5,7 +5,8 @@ is added to the next step's gradient, so sent + remembered = input exactly.
 Opt-in (``momentum=m`` in the spec): the velocity is accumulated *before*
 compression and a ``torch.optim.SGD`` optimizer's own momentum is taken over
 (set to 0). ``velocity=local``: each rank's own ``u <- m u + g`` replaces
-``grad`` above (momentum correction, Lin et al. 2018, without DGC's masking).
+``grad`` above (momentum correction, Lin et al. 2018); ``masking=1`` adds DGC's
+momentum-factor masking (:mod:`hvd_ext.feedback.velocity`).
 ``velocity=exchanged``: ``u <- m * (last averaged update) + g``, the velocity
 every rank shares, is compressed (1-bit Adam's compressed momentum, Tang et al.
 2021; in exact arithmetic the same sum of updates as momentum applied after the
@@ -19,9 +20,9 @@ moment it is handed, not the squared gradient. During a dense warm-up
 (``warmup=N``) this feedback is bypassed, so those N steps run without a
 first moment.
 Defaults (``compress_momentum``): the error-feedback sign codecs (efsignsgd,
-onebit) under SGD momentum, randomk under SGD momentum and the Adam family. Not
-the default otherwise: it makes little difference to topk, powersgd and int8
-(``benchmarks/defaults_check.py``).
+onebit) under SGD momentum, randomk under SGD momentum and the Adam family. Defaults (``correct_momentum``): ``sig`` under SGD momentum
+(``velocity=local,masking=1``). Not the default otherwise: it makes little difference to
+topk, powersgd and int8 (``benchmarks/defaults_check.py``).
 
 On CUDA float32 tensors (``hvd_ext.ops.cuda_kernels`` present and not forced off) the new
 memory is written by the fused ``kernels.residual_update`` (one pass); elsewhere
@@ -34,6 +35,7 @@ import torch
 from ..ops import cuda_kernels as _K
 from ..options import Option
 from .base import Feedback, MomentumTakeover, register
+from .velocity import LocalVelocity
 
 
 def residual_of(u: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
@@ -46,13 +48,12 @@ def residual_of(u: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
     return (u - sent).detach()
 
 
-_U = "\x00residual_u"
 _M = "\x00residual_m"   # the last averaged update (velocity=exchanged); identical on every rank
 _T = "\x00residual_t"   # steps of that velocity so far (Adam's bias correction); identical on every rank
 
 
 @register("residual")
-class ResidualFeedback(MomentumTakeover, Feedback):
+class ResidualFeedback(LocalVelocity, MomentumTakeover, Feedback):
     """Error feedback; with ``momentum=m > 0`` in the spec it first accumulates the velocity
     ``u <- m * u + g`` and compresses ``u + memory`` (momentum correction, Lin et al. 2018), so
     the sum of applied updates equals momentum SGD's, and takes over a ``torch.optim.SGD``
@@ -60,14 +61,17 @@ class ResidualFeedback(MomentumTakeover, Feedback):
     feedback under the optimizer's own momentum."""
 
     takes_over_by_default = False
-    node_level = True
     options = {"momentum": Option(float, 0.0, "0 <= momentum < 1", lambda v: 0 <= v < 1,
                                   help="velocity accumulated before compression; > 0 takes over the SGD "
                                        "optimizer's momentum (0 = plain error feedback)"),
                "velocity": Option(str, "local", choices=("local", "exchanged"),
                                   help="with momentum > 0: local = each rank's own velocity u <- m u + g "
                                        "(momentum correction); exchanged = u <- m * (last averaged update) + g, "
-                                       "the velocity every rank shares (1-bit Adam's compressed momentum)")}
+                                       "the velocity every rank shares (1-bit Adam's compressed momentum)"),
+               "masking": Option(bool, False, "0 or 1",
+                                 help="with velocity=local: zero the velocity on the coordinates this rank "
+                                      "sent (momentum-factor masking, DGC)")}
+    VELOCITY_KEY = "\x00residual_u"
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -76,6 +80,12 @@ class ResidualFeedback(MomentumTakeover, Feedback):
 
     def adam_velocity(self) -> bool:
         return self.velocity == "exchanged"
+
+    @property
+    def node_level(self) -> bool:
+        """Masking needs this rank's own sent mask, which the node-aware exchange does not give
+        (inside a node everything is sent): without masking the memory can live at node level."""
+        return not (self.momentum and self.masking and self.velocity == "local")
 
     def compensate(self, name, grad, info):
         self._check_optimizer(info)
@@ -88,9 +98,7 @@ class ResidualFeedback(MomentumTakeover, Feedback):
             if m_bar is not None:
                 grad = m_bar.to(grad.dtype) * self.momentum + grad
         elif self.momentum:
-            u_old = self.memory.get(name + _U)
-            grad = grad.clone() if u_old is None else u_old.to(grad.dtype) * self.momentum + grad
-            self._pending[name + _U] = grad.detach()
+            grad = self.accumulate_velocity(name, grad)
         mem = self.memory.get(name)
         if mem is None:
             return grad
@@ -108,6 +116,8 @@ class ResidualFeedback(MomentumTakeover, Feedback):
 
     def update(self, name, u, sent, info):
         self._pending[name] = residual_of(u, sent)
+        if self.momentum and self.masking and self.velocity == "local":
+            self.mask_velocity(name, sent, info)
 
 
 def compress_momentum(comp, optimizer, adam: bool) -> None:
@@ -130,3 +140,25 @@ def compress_momentum(comp, optimizer, adam: bool) -> None:
         fb.velocity = "exchanged"
     fb.takes_over_by_default = True
     fb.takes_over_adam_by_default = adam
+
+
+def correct_momentum(comp, optimizer) -> None:
+    """Make ``comp``'s residual feedback take over a ``torch.optim.SGD`` optimizer's momentum with
+    DGC's momentum correction and momentum-factor masking (``velocity=local,masking=1``; Lin et al.
+    2018): each rank accumulates its own velocity before selection and forgets it on what it sent.
+    For a sparsifier at high sparsity, the optimizer's momentum applied to the rare, large bursts
+    that error feedback delivers overshoots. The spec's ``momentum=``/``velocity=``/``masking=`` keys,
+    when given, win; call it before the feedback binds the optimizer."""
+    fb = comp.feedback
+    if fb is None or fb.name != "residual" or not isinstance(optimizer, torch.optim.SGD):
+        return
+    if not any(float(g.get("momentum", 0) or 0) > 0 for g in optimizer.param_groups):
+        return
+    explicit = getattr(fb, "_explicit", ())
+    if "momentum" in explicit:
+        return
+    if "velocity" not in explicit:
+        fb.velocity = "local"
+    if "masking" not in explicit:
+        fb.masking = True
+    fb.takes_over_by_default = True

@@ -139,7 +139,7 @@ def test_split_budget_properties():
     "topk:feedback=ewma,lambda=-1", "topk:colour=red", "threshold:tau=0", "threshold:tau=-1",
     "dgc:ratio=0.5,start_ratio=0.25,ramp_steps=10", "dgc:feedback=residual", "dgc:momentum=1", "dgc:clip=-1",
     "dgc:ramp_steps=-3", "sig:alpha=-1", "sig:eps=0", "sig:split=random", "sig:ratio=2",
-    "topk:ratio=0.01,feedback=ewma,momentum=0.9",
+    "topk:ratio=0.01,feedback=ewma,momentum=1",
 ])
 def test_bad_arguments_raise_value_error(spec):
     with pytest.raises(ValueError):

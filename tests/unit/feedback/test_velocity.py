@@ -1,0 +1,118 @@
+"""Momentum correction with momentum-factor masking (hvd_ext.feedback.velocity) where sparsifiers use
+it by default: ``sig``'s residual feedback and the ``ewma`` feedback take over a ``torch.optim.SGD``
+optimizer's momentum, accumulate each rank's velocity before selection and forget it where the
+rank sent. Other optimizers and explicit specs are left alone."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import hvd_ext
+
+from helpers.sparse import make, sim_step
+
+
+def _bound(spec, opt):
+    comp = hvd_ext.compression_from_spec(spec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comp.bind_optimizer(opt)
+    return comp, [str(w.message) for w in caught]
+
+
+def _param():
+    return torch.nn.Parameter(torch.zeros(8))
+
+
+@pytest.mark.parametrize("spec", ["sig:ratio=0.001", "topk:ratio=0.001,feedback=ewma", "sig:feedback=ewma"])
+def test_sgd_momentum_taken_over_with_masking(spec):
+    opt = torch.optim.SGD([_param()], lr=0.05, momentum=0.8)
+    comp, warned = _bound(spec, opt)
+    fb = comp.feedback
+    assert opt.param_groups[0]["momentum"] == 0.0 and fb.momentum == 0.8
+    assert any("momentum correction" in w for w in warned)
+    assert getattr(fb, "masking", True) and getattr(fb, "velocity", "local") == "local"
+
+
+@pytest.mark.parametrize("spec", ["sig:momentum=0", "topk:feedback=ewma,momentum=0", "topk", "dgc:feedback=dgc_momentum,momentum=0"])
+def test_explicit_momentum_0_and_plain_topk_leave_sgd_alone(spec):
+    opt = torch.optim.SGD([_param()], lr=0.05, momentum=0.9)
+    comp, _ = _bound(spec, opt)
+    assert opt.param_groups[0]["momentum"] == 0.9 and not comp.feedback.momentum
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.05),                    # no momentum: nothing to take over
+    lambda ps: torch.optim.Adam(ps, lr=1e-3),                   # keeps its first moment
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9),  # not refused: these feedbacks apply none
+])
+@pytest.mark.parametrize("spec", ["sig", "topk:feedback=ewma"])
+def test_other_optimizers_keep_their_momentum(make_opt, spec):
+    opt = make_opt([_param()])
+    before = [dict(g) for g in opt.param_groups]
+    comp, _ = _bound(spec, opt)
+    assert not comp.feedback.momentum
+    assert [{k: g[k] for k in b if k != "params"} for g, b in zip(opt.param_groups, before)] == \
+           [{k: v for k, v in b.items() if k != "params"} for b in before]
+
+
+def _taken(spec, n, momentum):
+    comps = make(spec, n)
+    for c in comps:
+        c.bind_optimizer(torch.optim.SGD([_param()], lr=0.05, momentum=momentum))
+    return comps
+
+
+@pytest.mark.parametrize("spec", ["sig:ratio=0.25,mode=exact", "topk:ratio=0.25,mode=exact,feedback=ewma"])
+def test_velocity_accumulated_before_selection_and_masked_where_sent(spec):
+    m = 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        comps = _taken(spec, 2, m)
+    g = torch.Generator().manual_seed(3)
+    key = comps[0].feedback.VELOCITY_KEY
+    u_prev = [torch.zeros(16) for _ in comps]
+    for step in range(6):
+        grads = [{"w": torch.randn(16, generator=g)} for _ in comps]
+        before = [c.feedback.memory.get("w") for c in comps]
+        _, sents, us = sim_step(comps, step, grads)
+        for r, c in enumerate(comps):
+            vel = m * u_prev[r] + grads[r]["w"]
+            mem = torch.zeros(16) if before[r] is None else before[r]
+            assert torch.allclose(us[r]["w"], vel + mem, atol=1e-6)  # what was offered: velocity + memory
+            sent = sents[r]["w"] != 0
+            assert sent.any() and (~sent).any()
+            u_now = c.feedback.memory["w" + key]
+            assert torch.equal(u_now[sent], torch.zeros(int(sent.sum())))  # masked where this rank sent
+            assert torch.allclose(u_now[~sent], vel[~sent], atol=1e-6)     # kept elsewhere
+            u_prev[r] = u_now.clone()
+
+
+def test_skipped_step_keeps_the_velocity():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (c,) = _taken("sig:ratio=0.25,mode=exact", 1, 0.9)
+    sim_step([c], 0, [{"w": torch.arange(1.0, 9.0)}])
+    fb = c.feedback
+    saved = {k: v.clone() for k, v in fb.memory.items()}
+    fb.compensate("w", torch.ones(8), None)
+    fb.update("w", torch.ones(8), torch.zeros(8), None)
+    fb.discard()
+    assert saved.keys() == fb.memory.keys() and all(torch.equal(saved[k], fb.memory[k]) for k in saved)
+
+
+def test_masked_velocity_keeps_sig_off_the_node_aware_route():
+    """Inside a node everything is sent, so masking there would zero the velocity every step: a
+    residual memory with masking is not kept at node level (the flat route is used)."""
+    from hvd_ext.exchange.routes.choice import codec_node_aware_reason
+
+    comp = hvd_ext.compression_from_spec("sig")
+    assert codec_node_aware_reason(comp) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        comp.bind_optimizer(torch.optim.SGD([_param()], lr=0.05, momentum=0.9))
+    assert "sent mask" in codec_node_aware_reason(comp)
+    plain = hvd_ext.compression_from_spec("sig:momentum=0.9")  # momentum correction without masking
+    assert codec_node_aware_reason(plain) is None
