@@ -56,11 +56,11 @@ TECHNIQUES = [  # number, name, method label in the workload files, thesis claim
      "sending the gradients of the most significant parameters (model interpretability) keeps accuracy "
      "at high sparsity",
      "`compression/sig.py`: Taylor saliency \\|u\\|·(\\|w\\|+eps)^alpha, budget split by layer mass "
-     "(Molchanov et al., ICLR 2017)"),
+     "(Molchanov et al., ICLR 2017); SGD momentum applied before selection, masked where sent (DGC, Lin et al. 2018)"),
     (4, "exponential-smoothing compensation", "topk:ratio=0.01,feedback=ewma",
      "predicting unsent coordinates by exponential smoothing reduces the error of sparsification",
      "`feedback/ewma.py`: smoothed per-step rate, prediction paid back from the residual "
-     "(Gardner, J. Forecasting 1985)"),
+     "(Gardner, J. Forecasting 1985); SGD momentum applied before selection, masked where sent (DGC, Lin et al. 2018)"),
     (5, "layer-wise quantization fitted to the gradient's distribution", "qdist:bits=3",
      "levels fitted per layer to the gradient's distribution minimise quantization error and speed up "
      "training",
