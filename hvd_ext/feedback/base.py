@@ -89,6 +89,13 @@ class Feedback:
         self.load_state_dict({"memory": {**own, **state.get("memory", {})}})
 
 
+def plain_momentum(groups) -> bool:
+    """One non-zero SGD momentum in every parameter group, without Nesterov or dampening."""
+    values = {float(g.get("momentum", 0) or 0) for g in groups}
+    return (len(values) == 1 and 0.0 not in values
+            and not any(g.get("nesterov") or float(g.get("dampening", 0) or 0) != 0 for g in groups))
+
+
 class MomentumTakeover:
     """Mixin for feedbacks that apply SGD momentum *before* compression (momentum correction,
     Lin et al. 2018, Sec. 3.2): with error feedback, momentum applied by the outer optimizer to
@@ -118,6 +125,9 @@ class MomentumTakeover:
     takes_over_by_default: bool = True
     #: also take over Adam's first moment without ``momentum=`` in the spec (needs ``adam_velocity()``)
     takes_over_adam_by_default: bool = False
+    #: without ``momentum=`` in the spec, take over only a momentum it reproduces exactly: one value
+    #: in every group, no Nesterov, no dampening (otherwise the optimizer keeps its own)
+    takes_over_plain_only: bool = False
     #: optimizers whose first moment can be taken over (plain exponential average, ``1 - b1^t`` correction)
     ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RAdam)
 
@@ -156,6 +166,8 @@ class MomentumTakeover:
         if not self._explicit_momentum and not (self.takes_over_adam_by_default if adam else self.takes_over_by_default):
             return
         if adam or isinstance(optimizer, torch.optim.SGD):
+            if not adam and self.takes_over_plain_only and not self._explicit_momentum and not plain_momentum(groups):
+                return
             self._optimizer, self._adam = optimizer, adam
             self._take_over_momentum(announce=True)
         elif any("betas" in g for g in groups):

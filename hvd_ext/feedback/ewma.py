@@ -29,8 +29,8 @@ and smooths the per-step estimate G_j / a_j instead:
 ``S_j <- beta * S_j + (1 - beta) * G_j / a_j`` on j in Omega, then a_j <- 0.
 ``rate=0`` smooths G_j as written above.
 
-Momentum (``momentum=m``; by default a ``torch.optim.SGD`` optimizer's momentum is taken over,
-see ``MomentumTakeover``): each rank accumulates its velocity u <- m*u + g before selection
+Momentum (``momentum=m``; by default a ``torch.optim.SGD`` optimizer's plain momentum -- one
+value, no Nesterov, no dampening -- is taken over, see ``MomentumTakeover``): each rank accumulates its velocity u <- m*u + g before selection
 and u replaces g above, with DGC's momentum-factor masking on what it sent
 (:mod:`hvd_ext.feedback.velocity`). The prediction then smooths the exchanged velocity.
 At high sparsity a coordinate waits hundreds of steps; the optimizer's momentum applied to
@@ -73,6 +73,7 @@ class EWMAFeedback(LocalVelocity, MomentumTakeover, Feedback):
                                 "optimizer's momentum, taken over; 0 = the optimizer keeps its momentum)"),
     }
     VELOCITY_KEY = "\x00ewma_u"
+    takes_over_plain_only = True
 
     def __init__(self, **kw):
         super().__init__(**kw)

@@ -34,7 +34,7 @@ import torch
 
 from ..ops import cuda_kernels as _K
 from ..options import Option
-from .base import Feedback, MomentumTakeover, register
+from .base import Feedback, MomentumTakeover, plain_momentum, register
 from .velocity import LocalVelocity
 
 
@@ -148,17 +148,17 @@ def correct_momentum(comp, optimizer) -> None:
     2018): each rank accumulates its own velocity before selection and forgets it on what it sent.
     For a sparsifier at high sparsity, the optimizer's momentum applied to the rare, large bursts
     that error feedback delivers overshoots. The spec's ``momentum=``/``velocity=``/``masking=`` keys,
-    when given, win; call it before the feedback binds the optimizer."""
+    when given, win; call it before the feedback binds the optimizer. Only a momentum it reproduces
+    exactly is taken (``plain_momentum``): Nesterov, dampening or per-group values stay with the optimizer."""
     fb = comp.feedback
     if fb is None or fb.name != "residual" or not isinstance(optimizer, torch.optim.SGD):
-        return
-    if not any(float(g.get("momentum", 0) or 0) > 0 for g in optimizer.param_groups):
         return
     explicit = getattr(fb, "_explicit", ())
     if "momentum" in explicit:
         return
+    # set even with nothing to take: a checkpoint's taken momentum (load_state_dict) then runs masked
     if "velocity" not in explicit:
         fb.velocity = "local"
     if "masking" not in explicit:
         fb.masking = True
-    fb.takes_over_by_default = True
+    fb.takes_over_by_default = plain_momentum(optimizer.param_groups)

@@ -116,3 +116,39 @@ def test_masked_velocity_keeps_sig_off_the_node_aware_route():
     assert "sent mask" in codec_node_aware_reason(comp)
     plain = hvd_ext.compression_from_spec("sig:momentum=0.9")  # momentum correction without masking
     assert codec_node_aware_reason(plain) is None
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1),
+    lambda ps: torch.optim.SGD([{"params": ps[:1], "momentum": 0.9}, {"params": ps[1:], "momentum": 0.0}], lr=0.05),
+    lambda ps: torch.optim.SGD([{"params": ps[:1], "momentum": 0.9}, {"params": ps[1:], "momentum": 0.5}], lr=0.05),
+])
+@pytest.mark.parametrize("spec", ["sig", "topk:feedback=ewma"])
+def test_a_momentum_not_reproduced_exactly_stays_with_the_optimizer(make_opt, spec):
+    """By default only a plain SGD momentum (one value, no Nesterov, no dampening) is taken over; any
+    other stays the optimizer's, and nothing is refused (an explicit momentum= still takes it)."""
+    opt = make_opt([torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2))])
+    before = [g["momentum"] for g in opt.param_groups]
+    comp, warned = _bound(spec, opt)
+    assert [g["momentum"] for g in opt.param_groups] == before and not comp.feedback.momentum
+    assert not any("took over" in w for w in warned)
+
+
+@pytest.mark.parametrize("spec", ["sig:ratio=0.25,mode=exact", "topk:ratio=0.25,mode=exact,feedback=ewma"])
+def test_taken_momentum_survives_a_checkpoint_restored_before_wrapping(spec):
+    """Saved after a takeover the optimizer holds momentum 0; restored before it is wrapped there is
+    nothing to take, and the feedback's state brings back the momentum, still masked."""
+    p = torch.nn.Parameter(torch.zeros(8))
+    opt = torch.optim.SGD([p], lr=0.05, momentum=0.9)
+    comp, _ = _bound(spec, opt)
+    sim_step([comp], 0, [{"w": torch.arange(1.0, 9.0)}])
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(8))], lr=0.05, momentum=0.9)
+    opt2.load_state_dict(opt.state_dict())
+    comp2, _ = _bound(spec, opt2)
+    comp2.feedback.load_state_dict(comp.feedback.state_dict())
+    assert comp2.feedback.momentum == 0.9 and opt2.param_groups[0]["momentum"] == 0.0
+    _, sents, _ = sim_step([comp2], 1, [{"w": torch.ones(8)}])
+    u = comp2.feedback.memory["w" + comp2.feedback.VELOCITY_KEY]
+    sent = sents[0]["w"] != 0
+    assert sent.any() and torch.equal(u[sent], torch.zeros(int(sent.sum()))) and (u[~sent] != 0).all()
