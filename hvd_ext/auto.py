@@ -130,6 +130,7 @@ class AutoCompression(Compressor):
         self.memory: List[bool] = []  # per candidate: runs under the shared residual (else none, as fixed)
         self.live_second_moment = False  # set by bind_optimizer
         self.feedback = ResidualFeedback()
+        self.feedback.shared_by_candidates = True
         for s, c in candidates:
             if c.name == "auto":
                 raise ValueError(f"auto: a candidate cannot be 'auto' (candidates: {', '.join(self.candidate_specs)})")

@@ -8,8 +8,9 @@ k = ceil(ratio * n_bucket) coordinates per bucket is split over the bucket's
 tensors and each tensor sends its k_l highest-scored coordinates (exact top-k
 with ties to the lowest index, or ``mode=sampled`` threshold as in ``topk``);
 values sent are u, unsent mass stays in the feedback memory (default
-``residual``; ``ewma`` works too). Under ``torch.optim.SGD`` with momentum the residual
-feedback takes the momentum over, with DGC's momentum correction and masking
+``residual``; ``ewma`` works too). Under ``torch.optim.SGD`` with a plain momentum (one value
+and one weight decay in every group, no Nesterov, no dampening) the residual feedback takes the
+momentum and the decay over, with DGC's momentum correction and masking
 (``hvd_ext.feedback.residual.correct_momentum``): the optimizer's momentum applied to the rare
 bursts of a coordinate that waited for its turn overshoots at high sparsity.
 

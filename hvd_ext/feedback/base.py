@@ -90,9 +90,11 @@ class Feedback:
 
 
 def plain_momentum(groups) -> bool:
-    """One non-zero SGD momentum in every parameter group, without Nesterov or dampening."""
+    """One non-zero SGD momentum and one weight decay in every parameter group, without Nesterov or
+    dampening: what a feedback that carries the decay (``carries_weight_decay``) can take over whole."""
     values = {float(g.get("momentum", 0) or 0) for g in groups}
-    return (len(values) == 1 and 0.0 not in values
+    decays = {float(g.get("weight_decay", 0) or 0) for g in groups}
+    return (len(values) == 1 and 0.0 not in values and len(decays) == 1
             and not any(g.get("nesterov") or float(g.get("dampening", 0) or 0) != 0 for g in groups))
 
 
@@ -125,9 +127,13 @@ class MomentumTakeover:
     takes_over_by_default: bool = True
     #: also take over Adam's first moment without ``momentum=`` in the spec (needs ``adam_velocity()``)
     takes_over_adam_by_default: bool = False
-    #: without ``momentum=`` in the spec, take over only a momentum it reproduces exactly: one value
-    #: in every group, no Nesterov, no dampening (otherwise the optimizer keeps its own)
+    #: without ``momentum=`` in the spec, take over only a plain momentum (``plain_momentum``: one
+    #: value and one weight decay in every group, no Nesterov, no dampening); else the optimizer keeps it
     takes_over_plain_only: bool = False
+    #: with SGD's momentum also take over its weight decay, when every group has the same: torch adds
+    #: wd * p to the gradient *before* the momentum, so a velocity built here must add it too
+    #: (``LocalVelocity.accumulate_velocity``), or the decay would act 1 - m times as strongly
+    carries_weight_decay: bool = False
     #: optimizers whose first moment can be taken over (plain exponential average, ``1 - b1^t`` correction)
     ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RAdam)
 
@@ -136,6 +142,8 @@ class MomentumTakeover:
         self._optimizer = None
         self._checked_step = None
         self._adam = False   # the optimizer's betas[0] is taken over: the velocity is an exponential average
+        self.weight_decay = 0.0  # SGD's weight decay, taken over with its momentum (carries_weight_decay)
+        self._bound_sgd = None   # the SGD optimizer bound, even when it had nothing to take (a restored one)
 
     def adam_velocity(self) -> bool:
         """Whether this feedback can carry Adam's first moment (it compresses the shared velocity)."""
@@ -144,9 +152,22 @@ class MomentumTakeover:
     # The momentum taken over is kept in the memory (so in ``state_dict`` and in the resume agreement):
     # an optimizer restored from a checkpoint before it is wrapped already has momentum 0 / betas[0] 0.
     _TAKEN = "\x00taken_momentum"
+    _TAKEN_DECAY = "\x00taken_weight_decay"
 
     def _remember_taken(self) -> None:
         self.memory[self._TAKEN] = torch.tensor(float(self.momentum), dtype=torch.float64)
+        if self.weight_decay:
+            self.memory[self._TAKEN_DECAY] = torch.tensor(float(self.weight_decay), dtype=torch.float64)
+
+    def _take_over_decay(self, groups) -> None:
+        """SGD's weight decay, when this feedback carries it and every group has the same: set to 0 in
+        the optimizer and applied in the velocity instead (kept while a later check finds 0)."""
+        decays = {float(g.get("weight_decay", 0) or 0) for g in groups}
+        if not self.carries_weight_decay or len(decays) != 1 or 0.0 in decays:
+            return
+        for g in groups:
+            g["weight_decay"] = 0.0
+        self.weight_decay = decays.pop()
 
     def load_state_dict(self, state) -> None:
         mine = self.memory.get(self._TAKEN)
@@ -156,12 +177,22 @@ class MomentumTakeover:
             self.memory[self._TAKEN] = mine
         elif taken is not None and not self._explicit_momentum:
             self.momentum = float(taken)
+        decay = self.memory.get(self._TAKEN_DECAY)
+        if decay is not None:
+            self.weight_decay = float(decay)
+        if taken is not None and float(taken) and self._optimizer is None and self._bound_sgd is not None:
+            # restored before wrapping, nothing was left to take: watch it from now on, so a scheduler
+            # writing its momentum back does not add the optimizer's momentum to the one restored here
+            self._optimizer, self._adam = self._bound_sgd, False
+        self._checked_step = None  # the restored optimizer is checked again at the next step
 
     def bind_optimizer(self, optimizer) -> None:
         groups = optimizer.param_groups
         kind = type(optimizer).__name__
         if self._explicit_momentum and not self.momentum:
             return  # the spec says momentum=0: leave the optimizer's momentum alone
+        if isinstance(optimizer, torch.optim.SGD):
+            self._bound_sgd = optimizer
         adam = isinstance(optimizer, self.ADAM_FAMILY) and self.adam_velocity()
         if not self._explicit_momentum and not (self.takes_over_adam_by_default if adam else self.takes_over_by_default):
             return
@@ -202,6 +233,8 @@ class MomentumTakeover:
                 g["betas"] = (0.0, g["betas"][1])
             else:
                 g["momentum"] = 0.0
+        if not adam:
+            self._take_over_decay(groups)
         if announce:
             if adam:
                 how = ("): the moment shared by every rank is compressed, as in 1-bit Adam (Tang et al. 2021), "
@@ -210,8 +243,10 @@ class MomentumTakeover:
                 used = self.momentum if self._explicit_momentum else m
                 how = ("the momentum shared by every rank is compressed, as in 1-bit Adam, Tang et al. 2021"
                        if getattr(self, "velocity", "local") == "exchanged" else "momentum correction, Lin et al. 2018")
-                how = (f"; {how}): the optimizer now runs with momentum=0 and the momentum {used} is applied "
-                       "before compression" + (" (nesterov/dampening not reproduced)" if special else ""))
+                decay = f" and weight decay {self.weight_decay}" if self.weight_decay else ""
+                how = (f"; {how}): the optimizer now runs with momentum=0{' and weight_decay=0' if decay else ''} "
+                       f"and the momentum {used}{decay} is applied before compression"
+                       + (" (nesterov/dampening not reproduced)" if special else ""))
             warnings.warn(f"hvd_ext feedback '{self.name}': took over {type(self._optimizer).__name__}'s {what} "
                           f"({field}={m}{how}. To silence this, create the optimizer with {zero} (the feedback "
                           "then uses the spec's momentum).", stacklevel=5)

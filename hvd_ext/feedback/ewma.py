@@ -30,7 +30,8 @@ and smooths the per-step estimate G_j / a_j instead:
 ``rate=0`` smooths G_j as written above.
 
 Momentum (``momentum=m``; by default a ``torch.optim.SGD`` optimizer's plain momentum -- one
-value, no Nesterov, no dampening -- is taken over, see ``MomentumTakeover``): each rank accumulates its velocity u <- m*u + g before selection
+value, no Nesterov, no dampening, one weight decay, which is taken over with it -- is taken
+over, see ``MomentumTakeover``): each rank accumulates its velocity u <- m*u + g before selection
 and u replaces g above, with DGC's momentum-factor masking on what it sent
 (:mod:`hvd_ext.feedback.velocity`). The prediction then smooths the exchanged velocity.
 At high sparsity a coordinate waits hundreds of steps; the optimizer's momentum applied to
@@ -38,7 +39,7 @@ the burst it then delivers, and to the prediction, overshoots.
 
 sigma comes from ``info.scale`` (set by the pipeline), else 1/N.
 Without a support mask from the compressor, Omega = {G != 0}. ``lambda=0`` is
-exactly residual error feedback. S is part of the state dict.
+exactly residual error feedback with the same velocity. S is part of the state dict.
 
 Kernels: on CUDA (``hvd_ext.ops.cuda_kernels`` present and not forced off) the S update
 is ``kernels.ewma_update`` (one fused masked pass; beta and 1-beta rounded to
@@ -65,7 +66,7 @@ class EWMAFeedback(LocalVelocity, MomentumTakeover, Feedback):
     options = {
         "beta": Option(float, 0.9, "0 <= beta <= 1", unit_interval, help="smoothing of S on sent coordinates"),
         "lambda": Option(float, 0.1, "lambda >= 0", non_negative,
-                         help="weight of the prediction lambda*S on coordinates nobody sent (0 = residual)"),
+                         help="weight of the prediction lambda*S on coordinates nobody sent (0 = error feedback)"),
         "rate": Option(bool, True, "0 or 1",
                        help="smooth the per-step rate G_j / (steps since j was last sent) instead of G_j"),
         "momentum": Option(float, 0.0, "0 <= momentum < 1", lambda v: 0 <= v < 1,
@@ -74,6 +75,7 @@ class EWMAFeedback(LocalVelocity, MomentumTakeover, Feedback):
     }
     VELOCITY_KEY = "\x00ewma_u"
     takes_over_plain_only = True
+    carries_weight_decay = True
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -84,7 +86,7 @@ class EWMAFeedback(LocalVelocity, MomentumTakeover, Feedback):
     def compensate(self, name, grad, info):
         self._check_optimizer(info)
         if self.momentum:
-            grad = self.accumulate_velocity(name, grad)
+            grad = self.accumulate_velocity(name, grad, info)
         mem = self.memory.get(name)
         return grad if mem is None else grad + mem
 

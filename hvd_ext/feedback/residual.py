@@ -72,6 +72,8 @@ class ResidualFeedback(LocalVelocity, MomentumTakeover, Feedback):
                                  help="with velocity=local: zero the velocity on the coordinates this rank "
                                       "sent (momentum-factor masking, DGC)")}
     VELOCITY_KEY = "\x00residual_u"
+    #: one memory for several codecs (``auto``'s candidates): no codec reconfigures it for itself
+    shared_by_candidates = False
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -84,8 +86,14 @@ class ResidualFeedback(LocalVelocity, MomentumTakeover, Feedback):
     @property
     def node_level(self) -> bool:
         """Masking needs this rank's own sent mask, which the node-aware exchange does not give
-        (inside a node everything is sent): without masking the memory can live at node level."""
-        return not (self.momentum and self.masking and self.velocity == "local")
+        (inside a node everything is sent): without masking the memory can live at node level.
+        Decided by the options alone, so a momentum restored later cannot change the route."""
+        return not (self.masking and self.velocity == "local")
+
+    @property
+    def carries_weight_decay(self) -> bool:
+        """The local velocity adds SGD's weight decay itself (the exchanged one does not)."""
+        return self.velocity == "local"
 
     def compensate(self, name, grad, info):
         self._check_optimizer(info)
@@ -98,7 +106,7 @@ class ResidualFeedback(LocalVelocity, MomentumTakeover, Feedback):
             if m_bar is not None:
                 grad = m_bar.to(grad.dtype) * self.momentum + grad
         elif self.momentum:
-            grad = self.accumulate_velocity(name, grad)
+            grad = self.accumulate_velocity(name, grad, info)
         mem = self.memory.get(name)
         if mem is None:
             return grad
@@ -148,13 +156,14 @@ def correct_momentum(comp, optimizer) -> None:
     2018): each rank accumulates its own velocity before selection and forgets it on what it sent.
     For a sparsifier at high sparsity, the optimizer's momentum applied to the rare, large bursts
     that error feedback delivers overshoots. The spec's ``momentum=``/``velocity=``/``masking=`` keys,
-    when given, win; call it before the feedback binds the optimizer. Only a momentum it reproduces
-    exactly is taken (``plain_momentum``): Nesterov, dampening or per-group values stay with the optimizer."""
+    when given, win; call it before the feedback binds the optimizer. Only a plain momentum is taken, with its
+    weight decay (``plain_momentum``): Nesterov, dampening or per-group values stay with the optimizer.
+    Not for a memory several codecs share (``auto``'s candidates)."""
     fb = comp.feedback
     if fb is None or fb.name != "residual" or not isinstance(optimizer, torch.optim.SGD):
         return
     explicit = getattr(fb, "_explicit", ())
-    if "momentum" in explicit:
+    if "momentum" in explicit or fb.shared_by_candidates:
         return
     # set even with nothing to take: a checkpoint's taken momentum (load_state_dict) then runs masked
     if "velocity" not in explicit:

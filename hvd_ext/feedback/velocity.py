@@ -35,8 +35,12 @@ class LocalVelocity:
 
     VELOCITY_KEY = "\x00velocity_u"
 
-    def accumulate_velocity(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """u <- momentum * u + grad; returns the new u (a new tensor) and stages it."""
+    def accumulate_velocity(self, name: str, grad: torch.Tensor, info=None) -> torch.Tensor:
+        """u <- momentum * u + grad (+ weight_decay * param, the decay taken over from SGD, as torch
+        adds it before its momentum); returns the new u (a new tensor) and stages it."""
+        decay, param = getattr(self, "weight_decay", 0.0), getattr(info, "param", None)
+        if decay and param is not None:
+            grad = grad + param.detach().to(device=grad.device, dtype=grad.dtype).reshape(grad.shape) * decay
         u_old = self.memory.get(name + self.VELOCITY_KEY)
         u = grad.clone() if u_old is None else u_old.to(grad.dtype) * self.momentum + grad
         self._pending[name + self.VELOCITY_KEY] = u.detach()

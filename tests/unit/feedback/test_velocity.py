@@ -152,3 +152,62 @@ def test_taken_momentum_survives_a_checkpoint_restored_before_wrapping(spec):
     u = comp2.feedback.memory["w" + comp2.feedback.VELOCITY_KEY]
     sent = sents[0]["w"] != 0
     assert sent.any() and torch.equal(u[sent], torch.zeros(int(sent.sum()))) and (u[~sent] != 0).all()
+
+
+@pytest.mark.parametrize("spec", ["sig:ratio=0.25,mode=exact", "topk:ratio=0.25,mode=exact,feedback=ewma"])
+def test_weight_decay_taken_over_with_the_momentum_and_added_before_it(spec):
+    """torch's SGD adds wd * p to the gradient before its momentum: taken over, the velocity must add
+    it too (else the decay acts 1 - m times as strongly), and the optimizer runs with wd 0."""
+    m, wd = 0.5, 0.1
+    p = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 8))
+    opt = torch.optim.SGD([p], lr=0.05, momentum=m, weight_decay=wd)
+    comp, warned = _bound(spec, opt)
+    fb = comp.feedback
+    assert opt.param_groups[0]["weight_decay"] == 0.0 and fb.weight_decay == wd
+    assert any("weight decay 0.1" in w for w in warned)
+    g = torch.arange(1.0, 9.0)
+    _, sents, _ = sim_step([comp], 0, [{"w": g}], params={"w": p.detach()})
+    u = fb.memory["w" + fb.VELOCITY_KEY]
+    sent = sents[0]["w"] != 0
+    assert torch.allclose(u[~sent], (g + wd * p.detach())[~sent])
+    # a checkpoint restored before wrapping brings the decay back
+    opt2 = torch.optim.SGD([torch.nn.Parameter(p.detach().clone())], lr=0.05, momentum=m, weight_decay=wd)
+    opt2.load_state_dict(opt.state_dict())
+    comp2, _ = _bound(spec, opt2)
+    comp2.feedback.load_state_dict(fb.state_dict())
+    assert comp2.feedback.weight_decay == wd and opt2.param_groups[0]["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("spec", ["sig", "topk:feedback=ewma"])
+def test_different_weight_decays_leave_the_optimizer_alone(spec):
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([{"params": [a], "weight_decay": 1e-4}, {"params": [b], "weight_decay": 0.0}],
+                          lr=0.05, momentum=0.9)
+    comp, _ = _bound(spec, opt)
+    assert [g["momentum"] for g in opt.param_groups] == [0.9, 0.9]
+    assert [g["weight_decay"] for g in opt.param_groups] == [1e-4, 0.0] and not comp.feedback.momentum
+
+
+def test_restored_optimizer_is_watched_so_a_scheduler_cannot_double_the_momentum():
+    spec = "sig:ratio=0.25,mode=exact"
+    p = torch.nn.Parameter(torch.zeros(8))
+    opt = torch.optim.SGD([p], lr=0.05, momentum=0.9)
+    comp, _ = _bound(spec, opt)
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(8))], lr=0.05, momentum=0.9)
+    opt2.load_state_dict(opt.state_dict())            # momentum 0 in its groups: nothing to take
+    comp2, _ = _bound(spec, opt2)
+    comp2.feedback.load_state_dict(comp.feedback.state_dict())
+    opt2.param_groups[0]["momentum"] = 0.85           # a cycling scheduler writes it back
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sim_step([comp2], 1, [{"w": torch.ones(8)}])
+    assert opt2.param_groups[0]["momentum"] == 0.0 and comp2.feedback.momentum == 0.85
+
+
+def test_auto_candidate_sig_does_not_reconfigure_the_shared_memory():
+    comp = hvd_ext.compression_from_spec("auto:candidates=none,sig:ratio=0.01,efsignsgd")
+    opt = torch.optim.SGD([_param()], lr=0.05, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        comp.bind_optimizer(opt)
+    assert not comp.feedback.masking and comp.feedback.velocity == "exchanged"
