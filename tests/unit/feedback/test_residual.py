@@ -4,7 +4,6 @@ or Adam's first moment ``betas[0]`` -- is taken over and the velocity every rank
 compressed instead. Single process, driving the feedback as the pipeline does."""
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from hvd_ext.compression.base import TensorInfo
 from hvd_ext.feedback.residual import ResidualFeedback
 from hvd_ext.variance_freeze import VarianceFreeze
 
-from helpers.codecs import info
+from helpers.codecs import bound as _bound, info
 
 
 def test_residual_feedback_conserves_mass_and_commits_only_on_commit():
@@ -51,12 +50,6 @@ ADAMS = {
 }
 
 
-def _bound(spec, opt):
-    comp = hvd_ext.compression_from_spec(spec)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        comp.bind_optimizer(opt)
-    return comp, [str(w.message) for w in caught]
 
 
 def _lossless_step(fb, p, grad, step):

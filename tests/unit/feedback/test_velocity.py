@@ -11,15 +11,10 @@ import torch
 
 import hvd_ext
 
+from helpers.codecs import bound as _bound
 from helpers.sparse import make, sim_step
 
 
-def _bound(spec, opt):
-    comp = hvd_ext.compression_from_spec(spec)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        comp.bind_optimizer(opt)
-    return comp, [str(w.message) for w in caught]
 
 
 def _param():
