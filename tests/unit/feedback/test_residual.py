@@ -4,7 +4,6 @@ or Adam's first moment ``betas[0]`` -- is taken over and the velocity every rank
 compressed instead. Single process, driving the feedback as the pipeline does."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
