@@ -89,11 +89,15 @@ class Feedback:
         self.load_state_dict({"memory": {**own, **state.get("memory", {})}})
 
 
+def group_values(groups, key: str) -> set:
+    """The distinct values of an optimizer hyper-parameter over its parameter groups (missing = 0)."""
+    return {float(g.get(key, 0) or 0) for g in groups}
+
+
 def plain_momentum(groups) -> bool:
     """One non-zero SGD momentum and one weight decay in every parameter group, without Nesterov or
     dampening: what a feedback that carries the decay (``carries_weight_decay``) can take over whole."""
-    values = {float(g.get("momentum", 0) or 0) for g in groups}
-    decays = {float(g.get("weight_decay", 0) or 0) for g in groups}
+    values, decays = group_values(groups, "momentum"), group_values(groups, "weight_decay")
     return (len(values) == 1 and 0.0 not in values and len(decays) == 1
             and not any(g.get("nesterov") or float(g.get("dampening", 0) or 0) != 0 for g in groups))
 
@@ -162,7 +166,7 @@ class MomentumTakeover:
     def _take_over_decay(self, groups) -> None:
         """SGD's weight decay, when this feedback carries it and every group has the same: set to 0 in
         the optimizer and applied in the velocity instead (kept while a later check finds 0)."""
-        decays = {float(g.get("weight_decay", 0) or 0) for g in groups}
+        decays = group_values(groups, "weight_decay")
         if not self.carries_weight_decay or len(decays) != 1 or 0.0 in decays:
             return
         for g in groups:

@@ -20,7 +20,8 @@ moment it is handed, not the squared gradient. During a dense warm-up
 (``warmup=N``) this feedback is bypassed, so those N steps run without a
 first moment.
 Defaults (``compress_momentum``): the error-feedback sign codecs (efsignsgd,
-onebit) under SGD momentum, randomk under SGD momentum and the Adam family. Defaults (``correct_momentum``): ``sig`` under SGD momentum
+onebit) under SGD momentum, randomk under SGD momentum and the Adam family.
+Defaults (``correct_momentum``): ``sig`` under a plain SGD momentum
 (``velocity=local,masking=1``). Not the default otherwise: it makes little difference to
 topk, powersgd and int8 (``benchmarks/defaults_check.py``).
 
@@ -156,9 +157,9 @@ def correct_momentum(comp, optimizer) -> None:
     2018): each rank accumulates its own velocity before selection and forgets it on what it sent.
     For a sparsifier at high sparsity, the optimizer's momentum applied to the rare, large bursts
     that error feedback delivers overshoots. The spec's ``momentum=``/``velocity=``/``masking=`` keys,
-    when given, win; call it before the feedback binds the optimizer. Only a plain momentum is taken, with its
-    weight decay (``plain_momentum``): Nesterov, dampening or per-group values stay with the optimizer.
-    Not for a memory several codecs share (``auto``'s candidates)."""
+    when given, win; call it before the feedback binds the optimizer. Only a plain momentum is taken,
+    with its weight decay (``plain_momentum``): Nesterov, dampening or per-group values stay with the
+    optimizer. Not for a memory several codecs share (``auto``'s candidates)."""
     fb = comp.feedback
     if fb is None or fb.name != "residual" or not isinstance(optimizer, torch.optim.SGD):
         return
