@@ -69,6 +69,11 @@ TECHNIQUES = [  # number, name, method label in the workload files, thesis claim
      "a period driven by momentum bounds the gradient error of local SGD and the magnified stale gradient",
      "`sync/adaptive.py`: local SGD (Lin et al., ICLR 2020) whose period halves or grows with the ranks' "
      "momentum-buffer disagreement"),
+    ("6b", "technique 6 with speed-proportional local steps", "adaptive:min=1,max=32,balance=1",
+     "(our extension) a fast rank should not wait for a slow one at a synchronous average",
+     "`adaptive:balance=1` (`sync/balance.py`): each rank's local steps in proportion to its measured speed, "
+     "agreed at every sync; plain average, or FedNova's normalised one with `normalise=1` (Wang et al., "
+     "NeurIPS 2020)"),
 ]
 ABLATION = {2: "event:staleness=none"}
 THESIS_METHODS = {t[2] for t in TECHNIQUES} | set(ABLATION.values())

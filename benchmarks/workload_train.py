@@ -25,7 +25,8 @@ asynchronous ``event`` strategy reaches it with each rank stepping until the ran
 steps together (``EventTriggeredSGD.global_steps()``, read one-sided from the board)
 reach the budget: a fast rank takes more steps instead of waiting, and the one-cycle
 schedule follows that global progress, so all ranks sit at the same point of it at
-the same time. After ``sync.finish()`` all ranks hold the same model, which is
+the same time. ``adaptive:balance=1`` runs on the same budget (``AdaptiveSync.set_budget``):
+its ranks take local steps in proportion to their speed and stop at the same sync. After ``sync.finish()`` all ranks hold the same model, which is
 evaluated once more (the final point, at the time the last rank finished). ``--json
 OUT`` writes the summary (rank 0).
 """
@@ -133,9 +134,12 @@ def main(argv=None):
     opt.stats.reset()
     sync = sync_factory(opt, model)
     is_async = sync_factory.name == "event"
+    budgeted = is_async or getattr(sync, "balance", False)  # the ranks take different numbers of steps
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=w.lr, total_steps=total_steps, cycle_momentum=cycle)
     budget = size * total_steps  # batches, all ranks together: the same for every method
-    schedule = hvd_ext.sync.GlobalOneCycle(opt, w.lr, cycle) if is_async else None
+    if budgeted and hasattr(sync, "set_budget"):
+        sync.set_budget(budget)
+    schedule = hvd_ext.sync.GlobalOneCycle(opt, w.lr, cycle) if budgeted else None
     has_bn = any(b.is_floating_point() for b in model.buffers())
     flat = FlatState(model, opt, buffers=False, momentum=False)
     slow_ranks = w.slow_rank if isinstance(w.slow_rank, tuple) else (w.slow_rank,)
@@ -161,7 +165,7 @@ def main(argv=None):
             mine_idx = shards[rank][torch.randperm(len(shards[rank]), generator=gen)]
         t_epoch = time.perf_counter()
         for i in range(steps_per_epoch):
-            if is_async:  # stop at the global budget; the schedule at the global progress
+            if budgeted:  # stop at the global budget; the schedule at the global progress
                 g = sync.global_steps()
                 if g >= budget:
                     done = True
@@ -178,17 +182,17 @@ def main(argv=None):
             if slow:
                 time.sleep((w.slow_factor - 1.0) * (time.perf_counter() - t_c))
             sync.step(loss)
-            if not is_async:
+            if not budgeted:
                 sched.step()
             local_steps += 1
             loss_val = loss.item()
         train_time += time.perf_counter() - t_epoch
         epoch += 1
-        done = done or (not is_async and epoch >= w.epochs)
-        if has_bn and not is_async:  # collective, every rank at the same step
+        done = done or (not budgeted and epoch >= w.epochs)
+        if has_bn and not budgeted:  # collective, every rank at the same step
             spreads.append(buffer_spread(model))
             average_buffers(model)
-        if not (is_async and done):  # an async rank that stopped mid-epoch: the final point follows
+        if not (budgeted and done):  # a rank that stopped mid-epoch on the budget: the final point follows
             v = evaluate() if rank == 0 else float("nan")
             history.append({"epoch": epoch, "metric": v, "train_time_s": train_time, "loss": loss_val})
     t_fin = time.perf_counter()

@@ -53,7 +53,7 @@ def parse_args(argv=None):
                         "event:sigma=..,tau_min=..,tau_max=..,staleness=loss|inverse|none,gamma=.. "
                         "(event needs the MPI controller: horovodrun --mpi or mpirun)")
     p.add_argument("--budget", default="rank", choices=["rank", "global"],
-                   help="rank: every rank takes --epochs epochs; global (--sync event only): --epochs of batches "
+                   help="rank: every rank takes --epochs epochs; global (--sync event or adaptive:balance=1): --epochs of batches "
                         "over all ranks together, a fast rank takes more steps and never waits for a slow one")
     p.add_argument("--slow-rank", type=int, default=-1, help="make this rank slower (see --slow-factor)")
     p.add_argument("--slow-factor", type=float, default=1.0, help="the slow rank's compute takes this many times longer")
@@ -73,9 +73,19 @@ def parse_args(argv=None):
         p.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if args.plain_horovod and (args.compression not in ("none", "fp16") or args.sync != "every"):
         p.error("--plain-horovod runs Horovod's own optimizer: --compression none|fp16 and --sync every only")
-    if args.budget == "global" and (not args.sync.startswith("event") or args.checkpoint):
-        p.error("--budget global needs --sync event (the ranks' steps together come from its server) and no "
-                "--checkpoint (the ranks reach a step number at different times)")
+    try:
+        from hvd_ext.sync import sync_from_spec
+
+        sync_spec = sync_from_spec(args.sync)
+    except ValueError as e:
+        p.error(str(e))
+    uneven = sync_spec.name == "event" or bool(sync_spec.options.get("balance"))
+    if args.budget == "global" and (not uneven or args.checkpoint):
+        p.error("--budget global needs --sync event or adaptive:balance=1 (the ranks take different numbers "
+                "of steps) and no --checkpoint (the ranks reach a step number at different times)")
+    if sync_spec.options.get("balance") and args.budget != "global":
+        p.error("--sync adaptive:balance=1 needs --budget global: its ranks take steps in proportion to their "
+                "speed and stop together when the ranks' steps reach the budget")
     if (args.checkpoint_every or args.resume) and not args.checkpoint:
         p.error("--checkpoint-every/--resume need --checkpoint PATH")
     return args
@@ -182,6 +192,8 @@ def main(argv=None):
     # together reach it, its schedule read at that global progress (hvd_ext.sync.GlobalOneCycle)
     budget = size * total_steps if args.budget == "global" else None
     schedule = hvd_ext.sync.GlobalOneCycle(opt, args.lr, args.momentum > 0) if budget else None
+    if budget and hasattr(sync, "set_budget"):
+        sync.set_budget(budget)
     step_no, epoch, done = 0, 0, False
     while not done:
         perm = torch.randperm(len(x_train), generator=gen)

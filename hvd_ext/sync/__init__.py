@@ -71,7 +71,7 @@ class SyncFactory:
 
 
 def sync_from_spec(spec: str) -> SyncFactory:
-    """Parse ``every`` | ``local:period=8[,warmup=T]`` | ``adaptive:min=1,max=32[,delta_lo=..,delta_hi=..]``
+    """Parse ``every`` | ``local:period=8[,warmup=T]`` | ``adaptive:min=1,max=32[,delta_lo=..,delta_hi=..,balance=1]``
     | ``event:sigma=..,tau_min=..,tau_max=..,staleness=loss|inverse|none,gamma=..[,rho=..,eps=..]``."""
     name, kv = parse_spec(spec, "sync spec")
     if name not in _CLASSES:
@@ -99,6 +99,9 @@ def sync_from_spec(spec: str) -> SyncFactory:
         if not full["delta_lo"] < full["delta_hi"]:
             raise ValueError(f"sync spec {spec!r}: bad value {full['delta_lo']} for 'delta_lo': "
                              f"accepted: 0 <= delta_lo < delta_hi")
+        if full["normalise"] and not full["balance"]:
+            raise ValueError(f"sync spec {spec!r}: bad value 1 for 'normalise': accepted: normalise=1 only with "
+                             f"balance=1")
     if name == "event":
         full = resolve_options("EventTriggeredSGD", declared, opts)
         if full["tau_max"] < full["tau_min"]:

@@ -18,12 +18,13 @@ sync happens (rule of consistency). ``stats.extra["period_history"]`` holds one
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from ..options import Option
-from ._common import allreduce_scalar_mean
+from ._common import allreduce_scalar_mean, exchange_for
+from .balance import RoundClock, normalise_updates, plan_steps
 from .local_sgd import LOCAL_OPTIONS, LocalSGD, finite_average, resolve_warmup
 
 _INT1 = dict(accepted="integer >= 1", check=lambda v: v >= 1)
@@ -39,6 +40,10 @@ ADAPTIVE_OPTIONS = {
                        help="grow H by one when the divergence is below this"),
     "warmup": LOCAL_OPTIONS["warmup"],
     "sync_buffers": LOCAL_OPTIONS["sync_buffers"],
+    "balance": Option(bool, False, help="local steps in proportion to each rank's speed; the ranks "
+                                        "stop together on global_steps() >= set_budget()"),
+    "normalise": Option(bool, False, help="with balance: weigh each rank's update by the steps it took (FedNova) "
+                                          "instead of the plain average"),
 }
 
 
@@ -68,13 +73,21 @@ class AdaptiveSync(LocalSGD):
 
     def __init__(self, optimizer, model, min_period: int = 1, max_period: int = 32, period: int = 0,
                  delta_hi: float = 1.0, delta_lo: float = 0.5, warmup: int = 0, sync_buffers: bool = True,
-                 warmup_steps: Optional[int] = None):
+                 warmup_steps: Optional[int] = None, balance: bool = False, normalise: bool = False):
         self.history = []
         self._setup(optimizer, model, dict(min_period=min_period, max_period=max_period, period=period,
                                            delta_hi=delta_hi, delta_lo=delta_lo,
                                            warmup=resolve_warmup("AdaptiveSync", warmup, warmup_steps),
-                                           sync_buffers=sync_buffers))
+                                           sync_buffers=sync_buffers, balance=balance, normalise=normalise))
         self.stats.extra["period_history"] = self.history
+        self.budget: Optional[int] = None   # batches over all ranks (balance: set_budget)
+        self.completed = 0                  # batches of the ranks together at the last sync (balance)
+        self.plan: Optional[List[int]] = None   # this round's local steps per rank (balance)
+        self._seconds = float("nan")        # this rank's smoothed seconds per step (balance)
+        self._start: Optional[List[torch.Tensor]] = None   # the parameters at the round's start (x0)
+        self._start_valid = False
+        device = self.state.params[0].device if self.state.params else torch.device("cpu")
+        self._clock = RoundClock(device)
 
     def _configure(self, opts: Dict[str, Any]) -> None:
         if opts["min_period"] > opts["max_period"]:
@@ -91,15 +104,81 @@ class AdaptiveSync(LocalSGD):
         self.delta_lo, self.delta_hi = opts["delta_lo"], opts["delta_hi"]
         self.period = p
         self.warmup = opts["warmup"]
+        self.balance = opts["balance"]
+        if opts["normalise"] and not self.balance:
+            raise ValueError("AdaptiveSync: bad value True for 'normalise': accepted: normalise=1 only with balance=1 "
+                             "(without it every rank takes the same steps)")
+        self.normalise = opts["normalise"]
         self.last_delta = float("nan")
 
     def describe(self) -> str:
         return (f"adaptive:min={self.min_period},max={self.max_period},delta_lo={self.delta_lo},"
-                f"delta_hi={self.delta_hi},warmup={self.warmup}")
+                f"delta_hi={self.delta_hi},warmup={self.warmup}" + (",balance=1" if self.balance else "")
+                + (",normalise=1" if self.normalise else ""))
+
+    # ---- balance: local steps in proportion to speed ---------------------------------------
+    def set_budget(self, batches: int) -> None:
+        """The run's batches over all ranks together (the same on every rank; checked at each sync).
+        With ``balance`` the loop stops when ``global_steps()`` reaches it, at a sync on every rank."""
+        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+            raise ValueError(f"AdaptiveSync.set_budget: bad value {batches!r} for 'batches': accepted: integer >= 1 "
+                             "(batches over all ranks together)")
+        self.budget = batches
+
+    def _round_plan(self) -> List[int]:
+        """This round's local steps per rank: agreed at the last sync, equal before the first."""
+        ex = exchange_for(self.process_set)
+        if self.plan is not None and len(self.plan) == ex.size:
+            return self.plan
+        remaining = None if self.budget is None else self.budget - self.completed
+        return plan_steps(self.period, [0.0] * ex.size, remaining)
+
+    def global_steps(self) -> int:
+        """Local steps of all ranks together. Without ``balance`` every rank steps alike (N x steps).
+        With it: the agreed count at the last sync plus this rank's share of the round, kept below
+        the budget until the sync that reaches it, so every rank stops at the same sync."""
+        ex = exchange_for(self.process_set)
+        if not self.balance:
+            return ex.size * self.steps
+        plan = self._round_plan()
+        g = self.completed + (self.since_sync * sum(plan)) // plan[ex.rank]
+        if self.budget is not None and self.completed < self.budget:
+            g = min(g, self.budget - 1)
+        return g
+
+    def _due(self) -> bool:
+        if not self.balance:
+            return super()._due()
+        return self.since_sync >= self._round_plan()[exchange_for(self.process_set).rank]
+
+    def step(self, loss=None, closure=None):
+        if not self.balance:
+            return super().step(loss, closure)
+        if self.budget is None:
+            raise RuntimeError("AdaptiveSync(balance=1): call set_budget(batches) before the first step; the "
+                               "ranks take different numbers of steps, so the loop must stop on global_steps() "
+                               ">= the budget, which every rank reaches at the same sync")
+        warm = self.in_warmup()
+        if not warm and self.since_sync == 0:   # the round starts: keep x0 for the normalisation
+            if self._start is None:
+                self._start = [p.detach().clone() for p in self.state.params]
+            else:
+                torch._foreach_copy_(self._start, [p.detach() for p in self.state.params])
+            self._start_valid = True
+        out = super().step(loss, closure)
+        if warm:
+            self.completed += exchange_for(self.process_set).size
+            self._clock.start()
+        return out
 
     def _average(self):
         if not self.included:
             return super()._average()
+        if self.balance:  # this round's plan, fixed before the period changes below
+            self._clock.stop()
+            plan, rank = self._round_plan(), exchange_for(self.process_set).rank
+            if self.normalise and self._start_valid:
+                normalise_updates(self.state.params, self._start, sum(plan) / len(plan) / plan[rank])
         moms = self.state.momentum_tensors()
         local = torch.cat([m.reshape(-1) for m in moms]).clone() if moms else torch.zeros(0)
         # non-finite values never reach the average (they count as maximal divergence: H halves)
@@ -110,21 +189,56 @@ class AdaptiveSync(LocalSGD):
             self.stats.extra["skipped_syncs"] = self.skipped_syncs
         mean = torch.cat([m.reshape(-1) for m in moms]) if moms else torch.zeros(0)
         d_i = momentum_divergence(local, mean) if moms else 0.0
-        delta = allreduce_scalar_mean(d_i if math.isfinite(d_i) else 1e30, name="hvd_ext.sync.delta",
-                                      process_set=self.process_set)
-        nbytes += 8
+        d_i = d_i if math.isfinite(d_i) else 1e30
+        if self.balance:
+            delta, seconds = self._round_end(d_i)
+            nbytes += 8 * (3 + len(seconds))
+        else:
+            delta = allreduce_scalar_mean(d_i, name="hvd_ext.sync.delta", process_set=self.process_set)
+            nbytes += 8
         self.last_delta = delta
         self.period = next_period(self.period, delta, self.delta_lo, self.delta_hi, self.min_period, self.max_period)
         self.history.append([self.steps, delta, self.period])
+        if self.balance:
+            self.completed += sum(plan)
+            remaining = None if self.budget is None else self.budget - self.completed
+            self.plan = plan_steps(self.period, seconds, remaining)
+            self.stats.extra["step_plan"] = list(self.plan)
+            self._start_valid = False
+            self._clock.start()
         self.since_sync = 0
         self.syncs += 1
         return nbytes, wait
 
+    def _round_end(self, d_i: float):
+        """One allreduce of [divergence, budget, budget^2, seconds per step at this rank's slot]: the
+        mean divergence, every rank's seconds per step, and a check that the budgets agree."""
+        ex = exchange_for(self.process_set)
+        n = ex.size
+        sec = self._clock.seconds() / max(self.since_sync, 1)
+        self._seconds = sec if not math.isfinite(self._seconds) else 0.5 * (self._seconds + sec)
+        vec = torch.zeros(3 + n, dtype=torch.float64)
+        budget = float(self.budget or 0)
+        vec[0], vec[1], vec[2] = d_i, budget, budget ** 2
+        vec[3 + ex.rank] = self._seconds if math.isfinite(self._seconds) else 0.0
+        ex.allreduce_average([vec], "hvd_ext.sync.balance")
+        total = (vec * n).tolist()
+        if abs(n * total[2] - total[1] ** 2) > 1e-9 * max(total[1] ** 2, 1.0):
+            raise ValueError("AdaptiveSync(balance=1): the ranks gave set_budget() different budgets; accepted: "
+                             "the same number of batches (over all ranks together) on every rank")
+        return total[0] / n, total[3:]
+
     def state_dict(self):
         sd = super().state_dict()
         sd["history"] = [list(h) for h in self.history]
+        if self.balance:
+            sd.update(completed=self.completed, plan=None if self.plan is None else list(self.plan))
         return sd
 
     def load_state_dict(self, sd):
         super().load_state_dict(sd)
         self.history[:] = [list(h) for h in sd.get("history", [])]
+        if self.balance:
+            self.completed = int(sd.get("completed", 0))
+            self.plan = None if sd.get("plan") is None else [int(h) for h in sd["plan"]]
+            self._start_valid = False   # a round resumed mid-way is averaged without normalisation

@@ -42,6 +42,15 @@ def test_adaptive_sync_decisions(local_checks):
     assert a0["agree"] == a1["agree"] and a0["diverge"] == a1["diverge"] and a0["history"] == a1["history"]
 
 
+def test_adaptive_balance_steps_in_proportion_to_speed(local_checks):
+    assert_checks(local_checks, section="balance")
+    fast, slow = (r["balance"] for r in local_checks)
+    assert fast["steps"] > 1.5 * slow["steps"], (fast["steps"], slow["steps"])
+    # the same decisions (divergence, period, plan) at every sync; the histories' own step counts differ
+    assert fast["syncs"] == slow["syncs"] and fast["plans"] == slow["plans"]
+    assert [h[1:] for h in fast["history"]] == [h[1:] for h in slow["history"]]
+
+
 def test_event_needs_mpi_controller(local_checks):
     assert_checks(local_checks, section="event")
 

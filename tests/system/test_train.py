@@ -68,3 +68,21 @@ def test_checkpoint_atomic_and_checked_on_resume(tmp_path, monkeypatch):
         train.read_checkpoint(str(path), wider, hvd.size())
     with pytest.raises(ValueError, match="has 1 ranks, this job 2"):
         train.read_checkpoint(str(path), config, 2)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--sync", "adaptive:balance=1"], "needs --budget global"),
+    (["--sync", "local:period=4", "--budget", "global"], "--budget global needs"),
+    (["--sync", "adaptive:balance=1", "--budget", "global", "--checkpoint", "c.pt"], "no --checkpoint"),
+    (["--sync", "adaptive:normalise=1"], "'normalise'"),
+])
+def test_budget_and_balance_arguments_refused(argv, needle, capsys):
+    train = _train_module()
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    assert needle in capsys.readouterr().err
+
+
+def test_balanced_adaptive_on_a_global_budget_parses():
+    args = _train_module().parse_args(["--sync", "adaptive:balance=1", "--budget", "global"])
+    assert args.budget == "global"

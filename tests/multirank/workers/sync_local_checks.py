@@ -1,8 +1,9 @@
 """LocalSGD / AdaptiveSync checks on 2 ranks (Gloo controller); one RESULT line per rank. Each rank
-checks its results in-process (named checks "h1: ...", "local: ...", "adaptive: ...", "event: ...",
-common.Checks); the test compares the ranks' AdaptiveSync decisions."""
+checks its results in-process (named checks "h1: ...", "local: ...", "adaptive: ...", "balance: ...",
+"event: ...", common.Checks); the test compares the ranks' AdaptiveSync decisions."""
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
@@ -118,6 +119,85 @@ def adaptive():
             "history": o2.stats.extra["period_history"], "spread": spread(m2, "ad.final"), "exchanges": a2.exchanges}
 
 
+def balanced_run(budget, sleep, normalise=False, distributed=True):
+    """AdaptiveSync(balance=1) on a budget; each rank sleeps ``sleep[rank]`` per step. Records, at each
+    sync, this rank's parameters before the average (x_i), at the round's start (x0) and after."""
+    m = make_model()
+    base = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    o = hvd_ext.DistributedOptimizer(base, named_parameters=m.named_parameters()) if distributed else base
+    a = hvd_ext.AdaptiveSync(o, m, min_period=2, max_period=8, period=3, balance=True, normalise=normalise)
+    a.set_budget(budget)
+    last, rounds = {}, []
+    plain_step = o.step
+
+    def spy(*args, **kw):  # the optimizer's step inside a.step(): x_i is what it leaves
+        out = plain_step(*args, **kw)
+        last["x"] = flat(m).clone()
+        return out
+
+    o.step = spy
+    t = 0
+    while a.global_steps() < a.budget:
+        if a.since_sync == 0:
+            last["x0"], last["plan"] = flat(m).clone(), list(a._round_plan())
+        o.zero_grad()
+        loss_of(m, t).backward()
+        time.sleep(sleep[rank])
+        syncs = a.syncs
+        a.step()
+        t += 1
+        if a.syncs > syncs:
+            rounds.append((last["x0"], last["x"], flat(m).clone(), last["plan"]))
+    a.finish()
+    return a, m, rounds
+
+
+def expected_average(x0, x, plan, normalise):
+    """What the sync must give: the plain mean of the x_i, or FedNova's x0 + mean_i (mean H / H_i)(x_i - x0)."""
+    xs = hvd.allgather(x.unsqueeze(0), name="bal.x")
+    if not normalise:
+        return xs.mean(0)
+    scale = torch.tensor([sum(plan) / len(plan) / h for h in plan]).unsqueeze(1)
+    return x0 + (scale * (xs - x0)).mean(0)
+
+
+def balance():
+    """5. AdaptiveSync(balance=1): a 3x slower rank takes fewer steps; both stop at the same sync"""
+    m = make_model()
+    a0 = hvd_ext.AdaptiveSync(torch.optim.SGD(m.parameters(), lr=0.1), m, balance=True)
+    try:
+        a0.step()
+        no_budget = None
+    except RuntimeError as e:
+        no_budget = str(e)
+    a, m, rounds = balanced_run(120, (0.01, 0.03))
+    out = {"no_budget": no_budget, "steps": a.steps, "syncs": a.syncs, "global": a.global_steps(),
+           "completed": a.completed, "history": a.history, "spread": spread(m, "bal.final"),
+           "plans": [r[3] for r in rounds], "total_steps": int(hvd.allreduce(torch.tensor(a.steps), op=hvd.Sum,
+                                                                             name="bal.steps"))}
+    restored = hvd_ext.AdaptiveSync(torch.optim.SGD(m.parameters(), lr=0.1), m, balance=True)
+    restored.load_state_dict(a.state_dict())
+    out["restored"] = [restored.completed, restored.plan, restored.global_steps()] == [a.completed, a.plan,
+                                                                                       a.global_steps()]
+    errs = []
+    for normalise in (False, True):
+        _, _, rounds = balanced_run(40, (0.005, 0.015), normalise=normalise, distributed=False)
+        errs.append(max(float((after - expected_average(x0, x, plan, normalise)).abs().max())
+                        for x0, x, after, plan in rounds))
+    out["average_err"], out["normalised_err"] = errs
+    m = make_model()
+    c = hvd_ext.AdaptiveSync(torch.optim.SGD(m.parameters(), lr=0.1), m, period=2, balance=True)
+    c.set_budget(100 + rank)
+    out["budget_mismatch"] = None
+    try:
+        for t in range(4):
+            loss_of(m, t).backward()
+            c.step()
+    except ValueError as e:
+        out["budget_mismatch"] = str(e)
+    return out
+
+
 def gloo_event_error():
     """4. EventTriggeredSGD under Gloo: clear error, no MPI touched"""
     m = make_model()
@@ -150,6 +230,22 @@ def check(c, out):
     c.expect("adaptive: real run identical on the ranks, one exchange per history entry",
              a["spread"] == 0.0 and a["exchanges"] == len(a["history"]), (a["spread"], a["exchanges"]))
     c.expect("adaptive: periods within [1, 6]", all(1 <= h[2] <= 6 for h in a["history"]), a["history"])
+    b = out["balance"]
+    c.expect("balance: a step before set_budget() raises, naming it", b["no_budget"] and "set_budget" in b["no_budget"],
+             b["no_budget"])
+    c.expect("balance: the budget reached at a sync, the agreed count equal to the ranks' steps together",
+             120 <= b["global"] <= 122 and b["completed"] == b["global"] == b["total_steps"], b)
+    c.expect("balance: the 3x faster rank's plan has more steps from the second round (the last may be cut "
+             "to the budget), twice as many once the smoothed speeds settle",
+             all(p[0] > p[1] for p in b["plans"][1:-1]) and max(p[0] / p[1] for p in b["plans"]) >= 2
+             and len(b["plans"]) >= 4, b["plans"])
+    c.expect("balance: identical after finish", b["spread"] == 0.0, b["spread"])
+    c.expect("balance: the agreed count and plan survive state_dict/load_state_dict", b["restored"], b["restored"])
+    c.expect("balance: the sync is the plain mean of the ranks' models", b["average_err"] < 1e-6, b["average_err"])
+    c.expect("balance: normalise=1 gives x0 + mean_i (mean H / H_i)(x_i - x0)", b["normalised_err"] < 1e-6,
+             b["normalised_err"])
+    c.expect("balance: different budgets on the ranks raise on every rank, naming set_budget",
+             b["budget_mismatch"] is not None and "set_budget" in b["budget_mismatch"], b["budget_mismatch"])
     e = out["gloo_event_error"]
     c.expect("event: EventTriggeredSGD under Gloo raises, naming the MPI controller",
              e is not None and "MPI controller" in e, e)
@@ -161,7 +257,7 @@ def main():
     torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()
     out = {"rank": rank, "size": size, "h1": h1(), "local": local(), "adaptive": adaptive(),
-           "gloo_event_error": gloo_event_error()}
+           "balance": balance(), "gloo_event_error": gloo_event_error()}
     checks = Checks(rank)
     check(checks, out)
     checks.emit(**out)
