@@ -83,7 +83,7 @@ class AdaptiveSync(LocalSGD):
         self.budget: Optional[int] = None   # batches over all ranks (balance: set_budget)
         self.completed = 0                  # batches of the ranks together at the last sync (balance)
         self.plan: Optional[List[int]] = None   # this round's local steps per rank (balance)
-        self._seconds = float("nan")        # this rank's smoothed seconds per step (balance)
+        self.carry: Optional[List[float]] = None   # the fractions of steps carried to the next round
         self._start: Optional[List[torch.Tensor]] = None   # the parameters at the round's start (x0)
         self._start_valid = False
         device = self.state.params[0].device if self.state.params else torch.device("cpu")
@@ -131,7 +131,7 @@ class AdaptiveSync(LocalSGD):
         if self.plan is not None and len(self.plan) == ex.size:
             return self.plan
         remaining = None if self.budget is None else self.budget - self.completed
-        return plan_steps(self.period, [0.0] * ex.size, remaining)
+        return plan_steps(self.period, [0.0] * ex.size, remaining)[0]
 
     def global_steps(self) -> int:
         """Local steps of all ranks together. Without ``balance`` every rank steps alike (N x steps).
@@ -202,7 +202,7 @@ class AdaptiveSync(LocalSGD):
         if self.balance:
             self.completed += sum(plan)
             remaining = None if self.budget is None else self.budget - self.completed
-            self.plan = plan_steps(self.period, seconds, remaining)
+            self.plan, self.carry = plan_steps(self.period, seconds, remaining, self.carry)
             self.stats.extra["step_plan"] = list(self.plan)
             self._start_valid = False
             self._clock.start()
@@ -215,12 +215,11 @@ class AdaptiveSync(LocalSGD):
         mean divergence, every rank's seconds per step, and a check that the budgets agree."""
         ex = exchange_for(self.process_set)
         n = ex.size
-        sec = self._clock.seconds() / max(self.since_sync, 1)
-        self._seconds = sec if not math.isfinite(self._seconds) else 0.5 * (self._seconds + sec)
+        self._clock.lap(self.since_sync)
         vec = torch.zeros(3 + n, dtype=torch.float64)
         budget = float(self.budget or 0)
         vec[0], vec[1], vec[2] = d_i, budget, budget ** 2
-        vec[3 + ex.rank] = self._seconds if math.isfinite(self._seconds) else 0.0
+        vec[3 + ex.rank] = self._clock.per_step()
         ex.allreduce_average([vec], "hvd_ext.sync.balance")
         total = (vec * n).tolist()
         if abs(n * total[2] - total[1] ** 2) > 1e-9 * max(total[1] ** 2, 1.0):
@@ -232,7 +231,8 @@ class AdaptiveSync(LocalSGD):
         sd = super().state_dict()
         sd["history"] = [list(h) for h in self.history]
         if self.balance:
-            sd.update(completed=self.completed, plan=None if self.plan is None else list(self.plan))
+            sd.update(completed=self.completed, plan=None if self.plan is None else list(self.plan),
+                      carry=None if self.carry is None else list(self.carry))
         return sd
 
     def load_state_dict(self, sd):
@@ -241,4 +241,5 @@ class AdaptiveSync(LocalSGD):
         if self.balance:
             self.completed = int(sd.get("completed", 0))
             self.plan = None if sd.get("plan") is None else [int(h) for h in sd["plan"]]
+            self.carry = None if sd.get("carry") is None else [float(c) for c in sd["carry"]]
             self._start_valid = False   # a round resumed mid-way is averaged without normalisation

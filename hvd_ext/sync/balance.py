@@ -1,11 +1,13 @@
 """Speed-proportional local steps for periodic averaging (``adaptive:balance=1``).
 
 A synchronous round ends when the slowest rank arrives, so a fast rank idles at every sync.
-With ``balance`` each rank fills that time with local steps instead. At every sync the ranks'
-seconds per step over the round that ends travel in the allreduce that carries the momentum
-divergence, and the next round gives rank i
+With ``balance`` each rank fills that time with local steps instead. At every sync each rank's
+seconds per step (the median over its last rounds) travel in the allreduce that carries the
+momentum divergence, and the next round gives rank i
 
-    H_i = max(1, round(H * v_i / min_j v_j)),   v_i = 1 / (seconds per step of rank i)
+    H_i = max(1, floor(H * v_i / min_j v_j + c_i)),   v_i = 1 / (seconds per step of rank i)
+
+where c_i is the fraction of a step rank i could not take in the round before (carried over).
 
 so the slowest rank takes the period H, as without balance, and a faster rank the steps it can
 take in the same time: every rank reaches the sync at about the same time, and the sync comes
@@ -30,25 +32,33 @@ from __future__ import annotations
 
 import math
 import time
-from typing import List, Optional, Sequence
+from collections import deque
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 
-def plan_steps(period: int, seconds_per_step: Sequence[float], remaining: Optional[int] = None) -> List[int]:
-    """Local steps per rank for the next round (pure: the same inputs give the same plan on every rank).
+def plan_steps(period: int, seconds_per_step: Sequence[float], remaining: Optional[int] = None,
+               carry: Optional[Sequence[float]] = None) -> Tuple[List[int], List[float]]:
+    """Local steps per rank for the next round, and the fractions carried to the round after (pure:
+    the same inputs give the same plan on every rank).
 
-    The slowest rank takes ``period`` steps, a faster one as many as it takes in the same time. A
-    rank without a measurement (0, negative or non-finite seconds) makes the plan equal.
+    The slowest rank takes ``period`` steps, a faster one as many as it takes in the same time; the
+    fraction a rank cannot take this round is carried to the next, so over rounds its steps match its
+    speed. A rank without a measurement (0, negative or non-finite seconds) makes the plan equal.
     ``remaining`` caps the round's total at the batches left (every rank still takes one step)."""
+    n = len(seconds_per_step)
+    carry = list(carry) if carry is not None and len(carry) == n else [0.0] * n
     if all(math.isfinite(s) and s > 0 for s in seconds_per_step):
         slowest = max(seconds_per_step)
-        steps = [period * slowest / s for s in seconds_per_step]
+        exact = [period * slowest / s + c for s, c in zip(seconds_per_step, carry)]
     else:
-        steps = [float(period)] * len(seconds_per_step)
-    if remaining is not None and sum(steps) > remaining:
-        steps = [h * max(remaining, 0) / sum(steps) for h in steps]
-    return [max(1, int(round(h))) for h in steps]
+        exact = [float(period)] * n
+    if remaining is not None and sum(exact) > remaining:   # the last round: nothing to carry
+        cut = [h * max(remaining, 0) / sum(exact) for h in exact]
+        return [max(1, int(round(h))) for h in cut], [0.0] * n
+    plan = [max(1, int(math.floor(h + 1e-9))) for h in exact]
+    return plan, [min(max(h - k, -1.0), 1.0) for h, k in zip(exact, plan)]
 
 
 def normalise_updates(params: List[torch.Tensor], start: List[torch.Tensor], scale: float) -> None:
@@ -62,11 +72,14 @@ def normalise_updates(params: List[torch.Tensor], start: List[torch.Tensor], sca
 
 
 class RoundClock:
-    """Seconds this rank spends between two syncs. On a GPU, CUDA events on the current stream,
-    read once per round after the average has waited for the stream; on a CPU, the host clock."""
+    """Seconds per step of this rank between two syncs: CUDA events on the current stream on a GPU
+    (read once per round, after the average has waited for the stream anyway), the host clock on a
+    CPU. ``per_step()`` is the median of the last ``window`` rounds, so one slow round (an evaluation
+    on rank 0, a pause) does not move the plan."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, window: int = 5):
         self.cuda = device.type == "cuda"
+        self.laps = deque(maxlen=window)
         self._start = self._end = None
         self.start()
 
@@ -91,3 +104,17 @@ class RoundClock:
             return self._end - self._start
         self._end.synchronize()
         return self._start.elapsed_time(self._end) / 1000.0
+
+    def lap(self, steps: int) -> None:
+        """Record the last span as ``steps`` steps."""
+        sec = self.seconds()
+        if steps > 0 and math.isfinite(sec) and sec > 0:
+            self.laps.append(sec / steps)
+
+    def per_step(self) -> float:
+        """Median seconds per step over the recorded rounds (0.0 before any)."""
+        if not self.laps:
+            return 0.0
+        ordered = sorted(self.laps)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])

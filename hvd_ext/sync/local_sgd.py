@@ -72,26 +72,32 @@ def resolve_warmup(owner: str, warmup: int, warmup_steps: Optional[int]) -> int:
 def finite_average(tensors: List[torch.Tensor], name: str, process_set=None) -> Tuple[int, float, int]:
     """Average ``tensors`` in place over the ranks whose tensors are all finite.
 
-    One scalar allreduce counts the ranks holding NaN/Inf (same answer on every rank); those
-    ranks contribute zeros and the average is rescaled by N / (N - bad), so a non-finite value
-    never reaches the average and the bad rank gets the others' mean. If every rank is bad,
-    nothing is exchanged and every rank keeps its own values. Returns (bytes, seconds, bad)."""
+    A rank holding NaN/Inf contributes zeros and a flag of 1; the flag travels in the same fused
+    allreduce as the tensors (one collective), so every rank learns how many ranks were bad and
+    the average is rescaled by N / (N - bad): a non-finite value never reaches the average and the
+    bad rank gets the others' mean. If every rank is bad, every rank keeps its own values.
+    Returns (bytes, seconds, bad)."""
     ex = exchange_for(process_set)
+    if not tensors:
+        return 0, 0.0, 0
     bad = any_nonfinite(tensors)
-    nbad = int(round(ex.allreduce_scalar(1.0 if bad else 0.0, f"{name}.nonfinite")))
     n = ex.size
-    if nbad >= n:
-        return 8, 0.0, nbad
+    flag = torch.full((1,), 1.0 if bad else 0.0, dtype=torch.float32, device=tensors[0].device)
+    own = [t.detach().clone() for t in tensors] if bad else None
     if bad:
         with torch.no_grad():
             for t in tensors:
                 t.zero_()
-    nbytes, wait = ex.allreduce_average(tensors, name)
-    if nbad:
-        with torch.no_grad():
+    nbytes, wait = ex.allreduce_average(list(tensors) + [flag], name)
+    nbad = int(round(float(flag) * n))
+    with torch.no_grad():
+        if nbad >= n:      # nothing finite anywhere: every rank keeps its own values
+            for t, o in zip(tensors, own):
+                t.copy_(o)
+        elif nbad:
             for t in tensors:
                 t.mul_(n / (n - nbad))
-    return nbytes + 8, wait, nbad
+    return nbytes, wait, nbad
 
 
 def check_same_config(owner: str, fingerprint: Dict[str, Any], process_set=None) -> None:

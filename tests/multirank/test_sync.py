@@ -51,6 +51,10 @@ def test_adaptive_balance_steps_in_proportion_to_speed(local_checks):
     assert [h[1:] for h in fast["history"]] == [h[1:] for h in slow["history"]]
 
 
+def test_finite_average_flag_travels_with_the_tensors(local_checks):
+    assert_checks(local_checks, section="finite")
+
+
 def test_event_needs_mpi_controller(local_checks):
     assert_checks(local_checks, section="event")
 

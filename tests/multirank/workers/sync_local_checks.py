@@ -1,5 +1,5 @@
 """LocalSGD / AdaptiveSync checks on 2 ranks (Gloo controller); one RESULT line per rank. Each rank
-checks its results in-process (named checks "h1: ...", "local: ...", "adaptive: ...", "balance: ...",
+checks its results in-process (named checks "h1: ...", "local: ...", "adaptive: ...", "balance: ...", "finite: ...",
 "event: ...", common.Checks); the test compares the ranks' AdaptiveSync decisions."""
 import os
 import sys
@@ -198,6 +198,19 @@ def balance():
     return out
 
 
+def all_bad_average():
+    """6. finite_average when every rank holds a NaN: nothing exchanged into the tensors, each keeps its own"""
+    from hvd_ext.sync.local_sgd import finite_average
+
+    mine = torch.tensor([float(rank), float("nan"), 2.0 + rank])
+    t = mine.clone()
+    _, _, bad = finite_average([t], "allbad")
+    same = bool(torch.equal(t[[0, 2]], mine[[0, 2]]) and torch.isnan(t[1]))
+    u = torch.tensor([1.0 + rank, 3.0]) if rank == 0 else torch.tensor([float("inf"), 5.0])
+    _, _, one_bad = finite_average([u], "onebad")
+    return {"bad": bad, "kept_own": same, "one_bad": one_bad, "one_bad_result": u.tolist()}
+
+
 def gloo_event_error():
     """4. EventTriggeredSGD under Gloo: clear error, no MPI touched"""
     m = make_model()
@@ -246,6 +259,11 @@ def check(c, out):
              b["normalised_err"])
     c.expect("balance: different budgets on the ranks raise on every rank, naming set_budget",
              b["budget_mismatch"] is not None and "set_budget" in b["budget_mismatch"], b["budget_mismatch"])
+    f = out["all_bad"]
+    c.expect("finite: finite_average with a NaN on every rank: each rank keeps its own values, 2 bad",
+             f["bad"] == 2 and f["kept_own"], f)
+    c.expect("finite: finite_average with rank 1 bad: both ranks get rank 0's values", f["one_bad"] == 1
+             and f["one_bad_result"] == [1.0, 3.0], f)
     e = out["gloo_event_error"]
     c.expect("event: EventTriggeredSGD under Gloo raises, naming the MPI controller",
              e is not None and "MPI controller" in e, e)
@@ -257,7 +275,7 @@ def main():
     torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()
     out = {"rank": rank, "size": size, "h1": h1(), "local": local(), "adaptive": adaptive(),
-           "balance": balance(), "gloo_event_error": gloo_event_error()}
+           "balance": balance(), "all_bad": all_bad_average(), "gloo_event_error": gloo_event_error()}
     checks = Checks(rank)
     check(checks, out)
     checks.emit(**out)

@@ -24,13 +24,23 @@ from hvd_ext.sync.balance import RoundClock, normalise_updates, plan_steps
     (4, [0.1, 0.2], 0, [1, 1]),
 ])
 def test_plan_steps(period, seconds, remaining, plan):
-    assert plan_steps(period, seconds, remaining) == plan
+    assert plan_steps(period, seconds, remaining)[0] == plan
+
+
+def test_plan_steps_carries_fractions_so_steps_follow_speed():
+    carry, taken = None, [0, 0]
+    for _ in range(25):   # rank 0 is 2.28x as fast: 2.28 steps per round on average, never 2 forever
+        plan, carry = plan_steps(1, [1.0, 2.28], None, carry)
+        taken = [t + h for t, h in zip(taken, plan)]
+    assert taken[1] == 25 and abs(taken[0] - 2.28 * 25) < 1.0, taken
+    assert plan_steps(4, [0.1, 0.2], 6, [0.9, 0.0])[1] == [0.0, 0.0]   # the last round carries nothing
+    assert plan_steps(4, [0.1, 0.2], None, [0.5])[0] == [8, 4]         # a carry of another world: ignored
 
 
 def test_plan_steps_ends_near_the_budget():
     for remaining in range(2, 60):
         for sec in ([0.1, 0.25], [0.1, 0.1, 0.3], [0.05, 0.2, 0.2, 0.4]):
-            full, plan = plan_steps(16, sec), plan_steps(16, sec, remaining)
+            full, plan = plan_steps(16, sec)[0], plan_steps(16, sec, remaining)[0]
             assert all(h >= 1 for h in plan)
             if sum(full) > remaining:   # cut: ends within one step per rank of the budget
                 assert abs(sum(plan) - remaining) <= len(plan), (remaining, sec, plan)
@@ -49,13 +59,20 @@ def test_normalise_updates():
 
 
 def test_round_clock_on_cpu():
-    clock = RoundClock(torch.device("cpu"))
-    assert math.isnan(clock.seconds())        # no stop yet
+    clock = RoundClock(torch.device("cpu"), window=3)
+    assert math.isnan(clock.seconds()) and clock.per_step() == 0.0   # no stop yet
     time.sleep(0.02)
     clock.stop()
     assert 0.015 < clock.seconds() < 1.0
+    clock.lap(2)
+    assert 0.0075 < clock.per_step() < 0.5
     clock.start()
     assert math.isnan(clock.seconds())
+    clock.laps.clear()
+    clock.laps.extend([0.01, 5.0, 0.012])      # one slow round (an evaluation): the median ignores it
+    assert clock.per_step() == 0.012
+    clock.laps.append(0.011)                    # a window of 3: the oldest drops out
+    assert list(clock.laps) == [5.0, 0.012, 0.011] and clock.per_step() == 0.012
 
 
 @pytest.mark.parametrize("spec,needle", [
