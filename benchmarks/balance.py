@@ -122,6 +122,7 @@ def main(argv=None) -> int:
                       f"{r['final']:.4f}  fast share {r['fast_share']:.2f}" if r["status"] == "ok" else "FAILED"),
                       flush=True)
     doc = common.results_doc("balance.py", argv, machine, machine["loadavg_start"], rows)
+    doc["title"] = "Speed-proportional local steps with a slow rank, over seeds (balance.py)"
     doc["summary"] = summarise(rows)
     common.save_results("balance", doc, render)
     return 0
