@@ -23,7 +23,7 @@ from ..auto import AUTO_OPTIONS, DEFAULT_CANDIDATES, most_accurate_within
 from ..exchange import cost
 from ..optimizer import DEFAULT_BUCKET_BYTES
 from . import presets
-from .model import Cluster, Row, codec_rows, horovod_rows, make_row, numel_of
+from .model import OPTIMIZERS, Cluster, Row, codec_rows, horovod_rows, make_row, numel_of
 
 DEFAULT_METHODS = ("fp16", "qsgd:bits=8", "qsgd:bits=4", "topk:ratio=0.01", "efsignsgd", "powersgd:rank=4",
                    "qdist:bits=3")
@@ -42,6 +42,7 @@ class Plan:
     auto_pick: Dict[str, int] = field(default_factory=dict)
     shapes: List[tuple] = field(default_factory=list, repr=False)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    optimizer: str = "sgd"
 
     def sweep(self, bandwidths: Sequence[float]) -> Dict[str, List[float]]:
         """Predicted step seconds at each inter-node bandwidth (bytes/s; one node: intra), per method on
@@ -49,7 +50,7 @@ class Plan:
         out: Dict[str, List[float]] = {}
         for bw in bandwidths:
             rows, _ = predict_rows(self.shapes, self.compute_s, with_bandwidth(self.cluster, bw),
-                                   self.inputs["methods"], self.bucket_bytes)
+                                   self.inputs["methods"], self.bucket_bytes, optimizer=self.optimizer)
             best: Dict[str, float] = {}
             for r in rows:
                 best[r.label] = min(best.get(r.label, math.inf), r.step_s)
@@ -218,10 +219,10 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
 
 
 def predict_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster, methods: Iterable[str],
-                 bucket_bytes: int, with_auto: bool = True) -> tuple:
+                 bucket_bytes: int, with_auto: bool = True, optimizer: str = "sgd") -> tuple:
     rows = horovod_rows(shapes, compute_s, c)
     for spec in methods:
-        rows += codec_rows(spec, shapes, compute_s, c, bucket_bytes)
+        rows += codec_rows(spec, shapes, compute_s, c, bucket_bytes, optimizer)
     picks = {}
     if with_auto:
         r, picks = auto_row(shapes, compute_s, c, bucket_bytes)
@@ -236,14 +237,15 @@ def with_bandwidth(c: Cluster, bw: float) -> Cluster:
     return dataclasses.replace(c, intra=dataclasses.replace(c.intra, bandwidth=bw))
 
 
-def speedup_at(c: Cluster, shapes: Sequence[tuple], compute_s: float, r: Row, bucket_bytes: int) -> float:
+def speedup_at(c: Cluster, shapes: Sequence[tuple], compute_s: float, r: Row, bucket_bytes: int,
+               optimizer: str = "sgd") -> float:
     """fp32 Horovod's predicted step over row ``r``'s method's on cluster ``c``."""
     hv = horovod_rows(shapes, compute_s, c)
     base = hv[0].step_s
     if r.spec is None:
         mine = next(h for h in hv if h.label == r.label)
     else:
-        mine = next(x for x in codec_rows(r.spec, shapes, compute_s, c, bucket_bytes) if x.route == r.route)
+        mine = next(x for x in codec_rows(r.spec, shapes, compute_s, c, bucket_bytes, optimizer) if x.route == r.route)
     return base / mine.step_s
 
 
@@ -251,10 +253,13 @@ def plan(model, compute_s: Optional[float] = None, cluster: Union[str, presets.C
          nodes: int = 1, gpus_per_node: Optional[int] = None, intra: Optional[cost.LinkModel] = None,
          inter: Optional[cost.LinkModel] = None, device: Optional[str] = None,
          methods: Sequence[str] = DEFAULT_METHODS, calibration: Optional[Dict[str, Any]] = None,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES, breakeven_search: bool = True) -> Plan:
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, breakeven_search: bool = True, optimizer: str = "sgd") -> Plan:
     """Predict every method on ``nodes`` nodes of ``cluster`` (see the module doc). ``model``: a
     parameter count, a list of tensor sizes or shapes, a torch module or its ``named_parameters()``, or the
-    name of a published model (:data:`presets.MODELS`, which also gives the compute time)."""
+    name of a published model (:data:`presets.MODELS`, which also gives the compute time). ``optimizer``
+    (``sgd``, ``adam`` or ``none``): the job's, which decides some codecs' routes (:func:`model.bind_like`)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"plan: bad optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
     if isinstance(model, str):
         if model not in presets.MODELS:
             raise ValueError(f"plan: unknown model {model!r}; accepted: {', '.join(presets.MODELS)}, a "
@@ -274,14 +279,15 @@ def plan(model, compute_s: Optional[float] = None, cluster: Union[str, presets.C
     if not compute_s >= 0:
         raise ValueError(f"plan: bad compute_s {compute_s!r}; accepted: seconds >= 0")
     methods = list(methods)
-    rows, picks = predict_rows(shapes, compute_s, c, methods, bucket_bytes)
+    rows, picks = predict_rows(shapes, compute_s, c, methods, bucket_bytes, optimizer=optimizer)
     inputs = {"params": numel_of(shapes), "tensors": len(shapes), "compute_s": compute_s, "device": dev,
-              "nodes": c.nodes, "gpus_per_node": c.local, "methods": methods,
+              "nodes": c.nodes, "gpus_per_node": c.local, "methods": methods, "optimizer": optimizer,
               "intra": dataclasses.asdict(c.intra), "inter": dataclasses.asdict(c.inter)}
     if breakeven_search:
         inputs["breakeven"] = {f"{r.label}|{r.route}": breakeven(lambda bw, r=r: speedup_at(
-            with_bandwidth(c, bw), shapes, compute_s, r, bucket_bytes)) for r in rows if r.label not in ("horovod", "auto")}
-    return Plan(rows, compute_s, c, inputs, picks, list(shapes), bucket_bytes)
+            with_bandwidth(c, bw), shapes, compute_s, r, bucket_bytes, optimizer)) for r in rows
+            if r.label not in ("horovod", "auto")}
+    return Plan(rows, compute_s, c, inputs, picks, list(shapes), bucket_bytes, optimizer)
 
 
 __all__ = ["Plan", "plan", "DEFAULT_METHODS"]

@@ -27,6 +27,8 @@ def parse_args(argv=None):
     p.add_argument("--inter-gbps", type=float, default=None, help="inter-node bandwidth, Gbit/s")
     p.add_argument("--intra-gbps", type=float, default=None, help="intra-node bandwidth, Gbit/s")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help="hvd_ext specs to predict")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "none"],
+                   help="the job's optimizer (sgd: with momentum): some codecs' routes depend on it")
     p.add_argument("--calibration", default=None, help="a file --measure wrote: its links and codec speeds")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--plot", default=None, help="draw step time against inter-node bandwidth here (PNG)")
@@ -56,7 +58,8 @@ def main(argv=None) -> int:
     if model is None:
         raise SystemExit("give --model NAME or --params COUNT")
     p = plan(model, compute_s=None if a.compute_ms is None else a.compute_ms / 1e3, cluster=base, nodes=a.nodes,
-             gpus_per_node=a.gpus_per_node, intra=intra, inter=inter, methods=a.methods, calibration=cal)
+             gpus_per_node=a.gpus_per_node, intra=intra, inter=inter, methods=a.methods, calibration=cal,
+             optimizer=a.optimizer)
     i = p.inputs
     print(f"{i['params'] / 1e6:.1f}M parameters, compute {i['compute_s'] * 1e3:.1f} ms/step on {i['device']}; "
           f"{i['nodes']} node(s) x {i['gpus_per_node']} GPUs; intra {i['intra']['bandwidth'] * 8 / 1e9:.3g} Gbit/s, "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -269,9 +270,30 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
     return costs
 
 
-def codec_rows(spec: str, shapes: Sequence[tuple], compute_s: float, c: Cluster, bucket_bytes: int) -> List[Row]:
-    """One row per route ``spec`` can take, on the optimizer's buckets."""
+OPTIMIZERS = ("sgd", "adam", "none")
+
+
+def bind_like(comp: Compressor, optimizer: str) -> None:
+    """Bind ``comp`` to a stand-in of the job's optimizer, as ``DistributedOptimizer`` binds it, so the
+    routes offered are the ones the job can take (``sig``/``ewma`` under SGD momentum keep a masked
+    per-rank velocity and stay off the node-aware route). ``optimizer``: ``sgd`` (momentum 0.9),
+    ``adam`` or ``none`` (unbound)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"plan: bad optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+    if optimizer == "none":
+        return
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9) if optimizer == "sgd" else torch.optim.Adam([p])
+    with warnings.catch_warnings():  # the takeover warnings speak to a training job, not to a plan
+        warnings.simplefilter("ignore")
+        comp.bind_optimizer(opt)
+
+
+def codec_rows(spec: str, shapes: Sequence[tuple], compute_s: float, c: Cluster, bucket_bytes: int,
+               optimizer: str = "none") -> List[Row]:
+    """One row per route ``spec`` can take under ``optimizer`` (:func:`bind_like`), on the optimizer's buckets."""
     comp = compression_from_spec(spec)
+    bind_like(comp, optimizer)
     buckets = buckets_of(shapes, bucket_bytes, min(bucket_bytes, FIRST_BUCKET_BYTES))
     return [make_row(spec, spec, r, codec_costs(spec, comp, r, buckets, c), compute_s, c)
             for r in codec_routes(comp, c)]

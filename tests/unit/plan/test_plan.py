@@ -51,6 +51,19 @@ def test_node_aware_rows_only_across_nodes():
     assert node.nic < flat.nic / 4
 
 
+def test_routes_follow_the_jobs_optimizer():
+    """Under SGD momentum, sig keeps a masked per-rank velocity (momentum correction): no node-aware
+    route, as DistributedOptimizer decides; under Adam or unbound it may take one."""
+    kw = dict(compute_s=0.05, cluster="p3-v100-25gbe", nodes=2, methods=["sig:ratio=0.01", "qsgd:bits=8"],
+              breakeven_search=False)
+    routes = {o: {r.route for r in plan(2_000_000, optimizer=o, **kw).rows if r.label == "sig:ratio=0.01"}
+              for o in ("sgd", "adam", "none")}
+    assert routes["sgd"] == {"allgather", "sparse_rs"}
+    assert routes["adam"] == routes["none"] == {"allgather", "sparse_rs", "node:allgather", "node:sparse_rs"}
+    q = plan(2_000_000, optimizer="sgd", **kw)
+    assert q.inputs["optimizer"] == "sgd" and "node:twophase" in {r.route for r in q.rows if r.label == "qsgd:bits=8"}
+
+
 def test_model_inputs_agree():
     m = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     shapes = tensor_shapes(m)
@@ -78,6 +91,7 @@ def test_published_models_give_their_compute_time():
     (dict(model=1000), "compute_s"),
     (dict(model=1000, compute_s=0.1, nodes=0), ">= 1"),
     (dict(model=1000, compute_s=0.1, methods=["zip"]), "unknown compressor"),
+    (dict(model=1000, compute_s=0.1, optimizer="lamb"), "sgd, adam, none"),
 ])
 def test_bad_input_names_what_is_accepted(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
