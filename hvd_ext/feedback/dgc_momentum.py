@@ -20,7 +20,10 @@ outer optimizer must not apply it a second time. ``bind_optimizer`` (called by
 
 * ``torch.optim.SGD`` with momentum m > 0: takes it over -- the correction uses
   m (unless the spec sets ``momentum=`` explicitly) and the optimizer's
-  ``momentum`` is set to 0, with a one-time warning. The check is repeated at
+  ``momentum`` is set to 0, with a one-time warning. Its weight decay, when every
+  parameter group has the same, is taken over with it (``u <- m * u + g + wd * w``,
+  as torch adds it before its momentum; left in the optimizer it would act 1 - m
+  times as strongly on the accumulated update). The check is repeated at
   every step, so a scheduler that cycles SGD momentum (``OneCycleLR``) drives
   DGC's momentum instead of re-enabling the optimizer's;
 * Adam-family optimizers (``betas``): their first moment already is the
@@ -54,6 +57,7 @@ class DGCMomentumFeedback(LocalVelocity, MomentumTakeover, Feedback):
     }
 
     VELOCITY_KEY = "\x00dgc_u"
+    carries_weight_decay = True  # the velocity adds SGD's weight decay, taken over with the momentum
     adam_momentum = 0.0  # Adam's first moment is the momentum: correction off unless the spec sets it
 
     def __init__(self, **kw):
@@ -68,7 +72,7 @@ class DGCMomentumFeedback(LocalVelocity, MomentumTakeover, Feedback):
             norm = g.float().norm()
             clip = torch.isfinite(norm) & (norm > limit)
             g = g * torch.where(clip, limit / torch.where(clip, norm, torch.ones_like(norm)), 1.0).to(g.dtype)
-        u = self.accumulate_velocity(name, g)
+        u = self.accumulate_velocity(name, g, info)
         v_old = self.memory.get(name + _V)
         return u.clone() if v_old is None else v_old + u
 

@@ -149,7 +149,8 @@ def test_taken_momentum_survives_a_checkpoint_restored_before_wrapping(spec):
     assert sent.any() and torch.equal(u[sent], torch.zeros(int(sent.sum()))) and (u[~sent] != 0).all()
 
 
-@pytest.mark.parametrize("spec", ["sig:ratio=0.25,mode=exact", "topk:ratio=0.25,mode=exact,feedback=ewma"])
+@pytest.mark.parametrize("spec", ["sig:ratio=0.25,mode=exact", "topk:ratio=0.25,mode=exact,feedback=ewma",
+                                  "dgc:ratio=0.25,mode=exact"])
 def test_weight_decay_taken_over_with_the_momentum_and_added_before_it(spec):
     """torch's SGD adds wd * p to the gradient before its momentum: taken over, the velocity must add
     it too (else the decay acts 1 - m times as strongly), and the optimizer runs with wd 0."""
