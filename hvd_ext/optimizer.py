@@ -215,6 +215,7 @@ class _DistributedMixin:
             if not self._world.elastic:
                 self._check_config()
             self._register_hooks()
+        self._hand_back_momentum_if_bypassed()
 
     @property
     def world_changes(self) -> int:
@@ -449,6 +450,16 @@ class _DistributedMixin:
         if self._pipeline.in_flight or self._sparse.in_flight:
             raise AssertionError("set_gradient_exchange() called while gradients are being exchanged")
         self._exchange_gradients = bool(enabled)
+        self._hand_back_momentum_if_bypassed()
+
+    def _hand_back_momentum_if_bypassed(self) -> None:
+        """A feedback that took the optimizer's momentum over does not run in steps that bypass it (the
+        gradient exchange off, the dense warm-up): the optimizer applies the momentum itself there, and
+        the next step through the feedback takes it over again (``MomentumTakeover.hand_back_momentum``)."""
+        hand = getattr(self._compression.feedback, "hand_back_momentum", None)
+        warm = getattr(self._pipeline, "warmup_policy", None)
+        if hand is not None and (not self._exchange_gradients or (warm is not None and warm.active())):
+            hand()
 
     def state_dict(self):
         sd = super().state_dict()
@@ -473,6 +484,7 @@ class _DistributedMixin:
             self._pipeline.load_state_dict(ext)
             if self._freeze is not None:
                 self._freeze.load_state_dict(ext.get("variance"))
+        self._hand_back_momentum_if_bypassed()
 
 
 def _check_named_parameters(optimizer, named_parameters):

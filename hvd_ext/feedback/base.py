@@ -258,6 +258,22 @@ class MomentumTakeover:
             self.momentum = m
         self._remember_taken()
 
+    def hand_back_momentum(self) -> None:
+        """Steps that bypass this feedback (the gradient exchange off between parameter averages, a
+        dense warm-up) still need the momentum: give it back to the optimizer, with the weight decay
+        taken with it. The next step through the feedback takes both over again (``_check_optimizer``)."""
+        opt = self._optimizer
+        if opt is None or not self.momentum:
+            return
+        for g in opt.param_groups:
+            if self._adam:
+                g["betas"] = (self.momentum, g["betas"][1])
+            else:
+                g["momentum"] = self.momentum
+                if self.weight_decay:
+                    g["weight_decay"] = self.weight_decay
+        self._checked_step = None
+
     def _check_optimizer(self, info) -> None:
         if self._optimizer is not None:
             step = getattr(info, "step", None)

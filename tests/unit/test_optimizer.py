@@ -98,3 +98,40 @@ def test_the_dense_warmup_runs_under_any_optimizer(spec, warmup):
         model(torch.randn(16, 8)).pow(2).mean().backward()
         opt.step()
         assert bool(opt._compression.feedback.memory) == (step >= warmup), step
+
+
+@pytest.mark.parametrize("spec", ["sig:ratio=0.1,warmup=2", "topk:ratio=0.1,feedback=ewma,warmup=2",
+                                  "dgc:ratio=0.1,warmup=2"])
+def test_steps_that_bypass_the_feedback_keep_the_taken_momentum(spec):
+    """A feedback that took SGD's momentum and weight decay over gives them back to the optimizer for
+    steps that bypass it -- the dense warm-up and the gradient exchange switched off (local SGD) -- and
+    takes them over again at the next step through it."""
+    import warnings
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
+                                                           weight_decay=1e-3),
+                                           named_parameters=model.named_parameters(), compression=spec)
+    group = opt.param_groups[0]
+
+    def step():
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+        return group["momentum"], group["weight_decay"]
+
+    assert (group["momentum"], group["weight_decay"]) == (0.9, 1e-3)   # the dense warm-up: the optimizer's
+    assert step() == (0.9, 1e-3) and step() == (0.9, 1e-3)
+    assert "momentum_buffer" in opt.state[next(model.parameters())]    # torch applied it in the warm-up
+    assert step() == (0.0, 0.0)                                         # through the feedback: taken again
+    opt.set_gradient_exchange(False)                                    # local steps (LocalSGD)
+    assert (group["momentum"], group["weight_decay"]) == (0.9, 1e-3)
+    assert step() == (0.9, 1e-3)
+    opt.set_gradient_exchange(True)
+    assert step() == (0.0, 0.0)
