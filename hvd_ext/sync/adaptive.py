@@ -84,6 +84,7 @@ class AdaptiveSync(LocalSGD):
         self.completed = 0                  # batches of the ranks together at the last sync (balance)
         self.plan: Optional[List[int]] = None   # this round's local steps per rank (balance)
         self.carry: Optional[List[float]] = None   # the fractions of steps carried to the next round
+        self._budget_checked: Optional[int] = None   # the world in which the ranks' budgets were compared
         self._start: Optional[List[torch.Tensor]] = None   # the parameters at the round's start (x0)
         self._start_valid = False
         device = self.state.params[0].device if self.state.params else torch.device("cpu")
@@ -118,12 +119,13 @@ class AdaptiveSync(LocalSGD):
 
     # ---- balance: local steps in proportion to speed ---------------------------------------
     def set_budget(self, batches: int) -> None:
-        """The run's batches over all ranks together (the same on every rank; checked at each sync).
+        """The run's batches over all ranks together (the same on every rank: compared at the next step).
         With ``balance`` the loop stops when ``global_steps()`` reaches it, at a sync on every rank."""
         if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
             raise ValueError(f"AdaptiveSync.set_budget: bad value {batches!r} for 'batches': accepted: integer >= 1 "
                              "(batches over all ranks together)")
         self.budget = batches
+        self._budget_checked = None   # checked at the next step, on every rank
 
     def _round_plan(self) -> List[int]:
         """This round's local steps per rank: agreed at the last sync, equal before the first."""
@@ -136,7 +138,10 @@ class AdaptiveSync(LocalSGD):
     def global_steps(self) -> int:
         """Local steps of all ranks together. Without ``balance`` every rank steps alike (N x steps).
         With it: the agreed count at the last sync plus this rank's share of the round, kept below
-        the budget until the sync that reaches it, so every rank stops at the same sync."""
+        the budget until the sync that reaches it, so every rank stops at the same sync. A rank outside
+        the optimizer's process set takes no part: the budget (its loop ends at once)."""
+        if self.balance and not self.included:
+            return self.budget or 0
         ex = exchange_for(self.process_set)
         if not self.balance:
             return ex.size * self.steps
@@ -147,19 +152,34 @@ class AdaptiveSync(LocalSGD):
         return g
 
     def _due(self) -> bool:
-        if not self.balance:
+        if not (self.balance and self.included):
             return super()._due()
         return self.since_sync >= self._round_plan()[exchange_for(self.process_set).rank]
 
+    def _check_budget(self) -> None:
+        """Once per world, at the first step: every rank raises if the ranks' budgets differ."""
+        if self._budget_checked == self.world_changes:
+            return
+        budgets = exchange_for(self.process_set).allgather_object(self.budget, "hvd_ext.sync.budget")
+        if len(set(budgets)) > 1:
+            raise ValueError(f"AdaptiveSync(balance=1): the ranks gave set_budget() different budgets {budgets}; "
+                             "accepted: the same number of batches (over all ranks together) on every rank")
+        self._budget_checked = self.world_changes
+
     def step(self, loss=None, closure=None):
-        if not self.balance:
+        if not (self.balance and self.included):
             return super().step(loss, closure)
         if self.budget is None:
             raise RuntimeError("AdaptiveSync(balance=1): call set_budget(batches) before the first step; the "
                                "ranks take different numbers of steps, so the loop must stop on global_steps() "
                                ">= the budget, which every rank reaches at the same sync")
+        if self._world.elastic:      # agree on the counters before reading them (LocalSGD.step would too)
+            self._enter_world()
+        elif self._world.agree_due:
+            self._agree()
+        self._check_budget()
         warm = self.in_warmup()
-        if not warm and self.since_sync == 0:   # the round starts: keep x0 for the normalisation
+        if self.normalise and not warm and self.since_sync == 0:   # the round starts: keep x0
             if self._start is None:
                 self._start = [p.detach().clone() for p in self.state.params]
             else:
@@ -174,7 +194,10 @@ class AdaptiveSync(LocalSGD):
     def _average(self):
         if not self.included:
             return super()._average()
-        if self.balance:  # this round's plan, fixed before the period changes below
+        # balance: a round ends here (a warm-up average, since_sync == 0, ends none); its plan is
+        # fixed before the period changes below
+        round_end = self.balance and self.since_sync > 0
+        if round_end:
             self._clock.stop()
             plan, rank = self._round_plan(), exchange_for(self.process_set).rank
             if self.normalise and self._start_valid:
@@ -191,15 +214,15 @@ class AdaptiveSync(LocalSGD):
         d_i = momentum_divergence(local, mean) if moms else 0.0
         d_i = d_i if math.isfinite(d_i) else 1e30
         if self.balance:
-            delta, seconds = self._round_end(d_i)
-            nbytes += 8 * (3 + len(seconds))
+            delta, seconds = self._round_end(d_i, round_end)
+            nbytes += 8 * (1 + len(seconds))
         else:
             delta = allreduce_scalar_mean(d_i, name="hvd_ext.sync.delta", process_set=self.process_set)
             nbytes += 8
         self.last_delta = delta
         self.period = next_period(self.period, delta, self.delta_lo, self.delta_hi, self.min_period, self.max_period)
         self.history.append([self.steps, delta, self.period])
-        if self.balance:
+        if round_end:
             self.completed += sum(plan)
             remaining = None if self.budget is None else self.budget - self.completed
             self.plan, self.carry = plan_steps(self.period, seconds, remaining, self.carry)
@@ -210,22 +233,19 @@ class AdaptiveSync(LocalSGD):
         self.syncs += 1
         return nbytes, wait
 
-    def _round_end(self, d_i: float):
-        """One allreduce of [divergence, budget, budget^2, seconds per step at this rank's slot]: the
-        mean divergence, every rank's seconds per step, and a check that the budgets agree."""
+    def _round_end(self, d_i: float, laps: bool):
+        """One allreduce of [divergence, seconds per step at this rank's slot]: the mean divergence
+        and every rank's seconds per step (``laps``: this round's time counts; not at a warm-up average)."""
         ex = exchange_for(self.process_set)
         n = ex.size
-        self._clock.lap(self.since_sync)
-        vec = torch.zeros(3 + n, dtype=torch.float64)
-        budget = float(self.budget or 0)
-        vec[0], vec[1], vec[2] = d_i, budget, budget ** 2
-        vec[3 + ex.rank] = self._clock.per_step()
+        if laps:
+            self._clock.lap(self.since_sync)
+        vec = torch.zeros(1 + n, dtype=torch.float64)
+        vec[0] = d_i
+        vec[1 + ex.rank] = self._clock.per_step()
         ex.allreduce_average([vec], "hvd_ext.sync.balance")
         total = (vec * n).tolist()
-        if abs(n * total[2] - total[1] ** 2) > 1e-9 * max(total[1] ** 2, 1.0):
-            raise ValueError("AdaptiveSync(balance=1): the ranks gave set_budget() different budgets; accepted: "
-                             "the same number of batches (over all ranks together) on every rank")
-        return total[0] / n, total[3:]
+        return total[0] / n, total[1:]
 
     def state_dict(self):
         sd = super().state_dict()

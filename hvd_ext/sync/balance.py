@@ -24,7 +24,9 @@ shard on non-IID data, at the price of scaling up the slow rank's noisier update
 ``benchmarks/results/balance.md`` compares the two.
 
 Rule of consistency: the step counts come from an allreduced vector, so every rank computes the
-same plan and makes one average per round. A loop gives the run a budget of batches over all
+same plan and makes one average per round (the budgets are compared once, at the first step). A rank
+outside the optimizer's process set takes no part. Under Horovod elastic the ranks agree on the most
+advanced rank's counters after a change of world, as local SGD does. A loop gives the run a budget of batches over all
 ranks (``set_budget``) and stops when ``global_steps()`` reaches it: the last round is cut to
 end at the budget, and ``global_steps()`` reaches it only at a sync, on every rank at once.
 """
@@ -55,10 +57,20 @@ def plan_steps(period: int, seconds_per_step: Sequence[float], remaining: Option
     else:
         exact = [float(period)] * n
     if remaining is not None and sum(exact) > remaining:   # the last round: nothing to carry
-        cut = [h * max(remaining, 0) / sum(exact) for h in exact]
-        return [max(1, int(round(h))) for h in cut], [0.0] * n
+        return cut_to(exact, remaining), [0.0] * n
     plan = [max(1, int(math.floor(h + 1e-9))) for h in exact]
     return plan, [min(max(h - k, -1.0), 1.0) for h, k in zip(exact, plan)]
+
+
+def cut_to(exact: Sequence[float], remaining: int) -> List[int]:
+    """``exact`` scaled to sum to ``remaining``, rounded by largest remainder (the sum is exactly
+    ``remaining`` unless a rank would get 0: every rank takes at least one step)."""
+    scaled = [h * max(remaining, 0) / sum(exact) for h in exact]
+    whole = [int(math.floor(h)) for h in scaled]
+    order = sorted(range(len(scaled)), key=lambda i: (whole[i] - scaled[i], i))   # largest remainder first
+    for i in order[:max(remaining, 0) - sum(whole)]:
+        whole[i] += 1
+    return [max(1, h) for h in whole]
 
 
 def normalise_updates(params: List[torch.Tensor], start: List[torch.Tensor], scale: float) -> None:
@@ -78,6 +90,7 @@ class RoundClock:
     on rank 0, a pause) does not move the plan."""
 
     def __init__(self, device: torch.device, window: int = 5):
+        self.device = device
         self.cuda = device.type == "cuda"
         self.laps = deque(maxlen=window)
         self._start = self._end = None
@@ -87,7 +100,7 @@ class RoundClock:
         if not self.cuda:
             return time.perf_counter()
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(torch.cuda.current_stream(self.device))   # the parameters' device, not the current one
         return ev
 
     def start(self) -> None:

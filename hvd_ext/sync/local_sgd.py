@@ -72,8 +72,9 @@ def resolve_warmup(owner: str, warmup: int, warmup_steps: Optional[int]) -> int:
 def finite_average(tensors: List[torch.Tensor], name: str, process_set=None) -> Tuple[int, float, int]:
     """Average ``tensors`` in place over the ranks whose tensors are all finite.
 
-    A rank holding NaN/Inf contributes zeros and a flag of 1; the flag travels in the same fused
-    allreduce as the tensors (one collective), so every rank learns how many ranks were bad and
+    A rank holding NaN/Inf contributes zeros and a flag of 1; the flag (float32) travels in the same
+    fused allreduce as the float32 tensors (one collective for a float32 model; one per dtype, as
+    always, for other dtypes), so every rank learns how many ranks were bad and
     the average is rescaled by N / (N - bad): a non-finite value never reaches the average and the
     bad rank gets the others' mean. If every rank is bad, every rank keeps its own values.
     Returns (bytes, seconds, bad)."""
@@ -82,7 +83,8 @@ def finite_average(tensors: List[torch.Tensor], name: str, process_set=None) -> 
         return 0, 0.0, 0
     bad = any_nonfinite(tensors)
     n = ex.size
-    flag = torch.full((1,), 1.0 if bad else 0.0, dtype=torch.float32, device=tensors[0].device)
+    home = next((t for t in tensors if t.dtype == torch.float32), tensors[0])   # fused with the float32 ones
+    flag = torch.full((1,), 1.0 if bad else 0.0, dtype=torch.float32, device=home.device)
     own = [t.detach().clone() for t in tensors] if bad else None
     if bad:
         with torch.no_grad():

@@ -185,30 +185,51 @@ def balance():
         errs.append(max(float((after - expected_average(x0, x, plan, normalise)).abs().max())
                         for x0, x, after, plan in rounds))
     out["average_err"], out["normalised_err"] = errs
+    out["budget_mismatch"] = []
+    for budget in (100 + rank, 10**6 + rank):   # a difference of one batch is caught at any size
+        m = make_model()
+        c = hvd_ext.AdaptiveSync(torch.optim.SGD(m.parameters(), lr=0.1), m, period=2, balance=True)
+        c.set_budget(budget)
+        try:
+            for t in range(4):
+                loss_of(m, t).backward()
+                c.step()
+            out["budget_mismatch"].append(None)
+        except ValueError as e:
+            out["budget_mismatch"].append(str(e))
+    # warm-up around a plain optimizer (an average every warm step): each warm step counts N batches
     m = make_model()
-    c = hvd_ext.AdaptiveSync(torch.optim.SGD(m.parameters(), lr=0.1), m, period=2, balance=True)
-    c.set_budget(100 + rank)
-    out["budget_mismatch"] = None
-    try:
-        for t in range(4):
-            loss_of(m, t).backward()
-            c.step()
-    except ValueError as e:
-        out["budget_mismatch"] = str(e)
+    w = hvd_ext.AdaptiveSync(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), m, period=2, warmup=3,
+                             balance=True)
+    w.set_budget(30)
+    t = 0
+    while w.global_steps() < w.budget:
+        loss_of(m, t).backward()
+        time.sleep((0.002, 0.006)[rank])
+        w.step()
+        t += 1
+    w.finish()
+    out["warm"] = {"completed": w.completed, "steps": int(hvd.allreduce(torch.tensor(w.steps), op=hvd.Sum,
+                                                                          name="bal.warm.steps")),
+                   "spread": spread(m, "bal.warm.final")}
     return out
 
 
 def all_bad_average():
     """6. finite_average when every rank holds a NaN: nothing exchanged into the tensors, each keeps its own"""
+    from hvd_ext.sync._common import exchange_for
     from hvd_ext.sync.local_sgd import finite_average
 
     mine = torch.tensor([float(rank), float("nan"), 2.0 + rank])
     t = mine.clone()
+    before = exchange_for(None).stats.collectives
     _, _, bad = finite_average([t], "allbad")
+    collectives = exchange_for(None).stats.collectives - before
     same = bool(torch.equal(t[[0, 2]], mine[[0, 2]]) and torch.isnan(t[1]))
     u = torch.tensor([1.0 + rank, 3.0]) if rank == 0 else torch.tensor([float("inf"), 5.0])
     _, _, one_bad = finite_average([u], "onebad")
-    return {"bad": bad, "kept_own": same, "one_bad": one_bad, "one_bad_result": u.tolist()}
+    return {"bad": bad, "kept_own": same, "one_bad": one_bad, "one_bad_result": u.tolist(),
+            "collectives": collectives}
 
 
 def gloo_event_error():
@@ -257,13 +278,20 @@ def check(c, out):
     c.expect("balance: the sync is the plain mean of the ranks' models", b["average_err"] < 1e-6, b["average_err"])
     c.expect("balance: normalise=1 gives x0 + mean_i (mean H / H_i)(x_i - x0)", b["normalised_err"] < 1e-6,
              b["normalised_err"])
-    c.expect("balance: different budgets on the ranks raise on every rank, naming set_budget",
-             b["budget_mismatch"] is not None and "set_budget" in b["budget_mismatch"], b["budget_mismatch"])
+    c.expect("balance: different budgets on the ranks (by one batch, small or large) raise on every rank at the "
+             "first step, naming set_budget",
+             all(m is not None and "set_budget" in m for m in b["budget_mismatch"]), b["budget_mismatch"])
+    w = b["warm"]
+    c.expect("balance: warm-up averages around a plain optimizer count N batches each, no round: the agreed "
+             "count equals the ranks' steps together, identical after finish",
+             w["completed"] == w["steps"] and 30 <= w["steps"] <= 31 and w["spread"] == 0.0, w)
     f = out["all_bad"]
     c.expect("finite: finite_average with a NaN on every rank: each rank keeps its own values, 2 bad",
              f["bad"] == 2 and f["kept_own"], f)
     c.expect("finite: finite_average with rank 1 bad: both ranks get rank 0's values", f["one_bad"] == 1
              and f["one_bad_result"] == [1.0, 3.0], f)
+    c.expect("finite: the non-finite flag travels in the average's own allreduce (one collective)",
+             f["collectives"] == 1, f)
     e = out["gloo_event_error"]
     c.expect("event: EventTriggeredSGD under Gloo raises, naming the MPI controller",
              e is not None and "MPI controller" in e, e)
