@@ -458,7 +458,9 @@ class _DistributedMixin:
         the next step through the feedback takes it over again (``MomentumTakeover.hand_back_momentum``)."""
         hand = getattr(self._compression.feedback, "hand_back_momentum", None)
         warm = getattr(self._pipeline, "warmup_policy", None)
-        if hand is not None and (not self._exchange_gradients or (warm is not None and warm.active())):
+        bypassed = (not self._exchange_gradients or isinstance(self._pipeline, _LocalOnly)   # outside the set
+                    or (warm is not None and warm.active()))
+        if hand is not None and bypassed:
             hand()
 
     def state_dict(self):

@@ -148,6 +148,8 @@ class MomentumTakeover:
         self._adam = False   # the optimizer's betas[0] is taken over: the velocity is an exponential average
         self.weight_decay = 0.0  # SGD's weight decay, taken over with its momentum (carries_weight_decay)
         self._bound_sgd = None   # the SGD optimizer bound, even when it had nothing to take (a restored one)
+        self._held_momentum: Optional[float] = None   # the optimizer's value this feedback holds now
+        self._held_decay = 0.0                        # and its weight decay (handed back with it)
 
     def adam_velocity(self) -> bool:
         """Whether this feedback can carry Adam's first moment (it compresses the shared velocity)."""
@@ -163,15 +165,16 @@ class MomentumTakeover:
         if self.weight_decay:
             self.memory[self._TAKEN_DECAY] = torch.tensor(float(self.weight_decay), dtype=torch.float64)
 
-    def _take_over_decay(self, groups) -> None:
+    def _take_over_decay(self, groups) -> bool:
         """SGD's weight decay, when this feedback carries it and every group has the same: set to 0 in
         the optimizer and applied in the velocity instead (kept while a later check finds 0)."""
         decays = group_values(groups, "weight_decay")
         if not self.carries_weight_decay or len(decays) != 1 or 0.0 in decays:
-            return
+            return False
         for g in groups:
             g["weight_decay"] = 0.0
         self.weight_decay = decays.pop()
+        return True
 
     def load_state_dict(self, state) -> None:
         mine = self.memory.get(self._TAKEN)
@@ -184,6 +187,8 @@ class MomentumTakeover:
         decay = self.memory.get(self._TAKEN_DECAY)
         if decay is not None:
             self.weight_decay = float(decay)
+        elif taken is not None:   # taken without a decay (or before decay was taken): the optimizer keeps it
+            self.weight_decay = 0.0
         if taken is not None and float(taken) and self._optimizer is None and self._bound_sgd is not None:
             # restored before wrapping, nothing was left to take: watch it from now on, so a scheduler
             # writing its momentum back does not add the optimizer's momentum to the one restored here
@@ -237,8 +242,9 @@ class MomentumTakeover:
                 g["betas"] = (0.0, g["betas"][1])
             else:
                 g["momentum"] = 0.0
-        if not adam:
-            self._take_over_decay(groups)
+        self._held_momentum = m
+        if not adam and self._take_over_decay(groups):
+            self._held_decay = self.weight_decay
         if announce:
             if adam:
                 how = ("): the moment shared by every rank is compressed, as in 1-bit Adam (Tang et al. 2021), "
@@ -260,19 +266,26 @@ class MomentumTakeover:
 
     def hand_back_momentum(self) -> None:
         """Steps that bypass this feedback (the gradient exchange off between parameter averages, a
-        dense warm-up) still need the momentum: give it back to the optimizer, with the weight decay
-        taken with it. The next step through the feedback takes both over again (``_check_optimizer``)."""
-        opt = self._optimizer
-        if opt is None or not self.momentum:
+        dense warm-up) still need the momentum: give the optimizer back what was taken from it (its
+        momentum, its weight decay), once; its momentum buffer, from before this feedback held it, is
+        dropped. The next step through the feedback takes them over again (``_check_optimizer``)."""
+        opt, m = self._optimizer, self._held_momentum
+        if opt is None or m is None:
             return
-        for g in opt.param_groups:
-            if self._adam:
-                g["betas"] = (self.momentum, g["betas"][1])
-            else:
-                g["momentum"] = self.momentum
-                if self.weight_decay:
-                    g["weight_decay"] = self.weight_decay
+        decay, self._held_momentum, self._held_decay = self._held_decay, None, 0.0
         self._checked_step = None
+        groups = opt.param_groups
+        if any(float(g["betas"][0] if self._adam else (g.get("momentum", 0) or 0)) for g in groups):
+            return   # the optimizer has it already (a checkpoint restored in a bypassed phase)
+        for g in groups:
+            if self._adam:
+                g["betas"] = (m, g["betas"][1])
+                continue
+            g["momentum"] = m
+            if decay:
+                g["weight_decay"] = decay
+            for p in g["params"]:
+                opt.state.get(p, {}).pop("momentum_buffer", None)
 
     def _check_optimizer(self, info) -> None:
         if self._optimizer is not None:

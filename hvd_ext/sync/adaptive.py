@@ -225,7 +225,9 @@ class AdaptiveSync(LocalSGD):
         if round_end:
             self.completed += sum(plan)
             remaining = None if self.budget is None else self.budget - self.completed
-            self.plan, self.carry = plan_steps(self.period, seconds, remaining, self.carry)
+            # at the smallest period the ranks drift most: no extra steps for a fast rank (it waits)
+            speeds = seconds if self.period > self.min_period else [0.0] * len(seconds)
+            self.plan, self.carry = plan_steps(self.period, speeds, remaining, self.carry)
             self.stats.extra["step_plan"] = list(self.plan)
             self._start_valid = False
             self._clock.start()

@@ -8,6 +8,9 @@ momentum divergence, and the next round gives rank i
     H_i = max(1, floor(H * v_i / min_j v_j + c_i)),   v_i = 1 / (seconds per step of rank i)
 
 where c_i is the fraction of a step rank i could not take in the round before (carried over).
+At the smallest period (``min_period``) the plan is equal: the adaptive rule has found the ranks
+drifting apart, a fast rank's extra local steps are what drifts, and without them the ranks can
+sync every step as plain adaptive SGD does (at a high learning rate that is what keeps a run stable).
 
 so the slowest rank takes the period H, as without balance, and a faster rank the steps it can
 take in the same time: every rank reaches the sync at about the same time, and the sync comes

@@ -132,6 +132,34 @@ def test_steps_that_bypass_the_feedback_keep_the_taken_momentum(spec):
     assert step() == (0.0, 0.0)                                         # through the feedback: taken again
     opt.set_gradient_exchange(False)                                    # local steps (LocalSGD)
     assert (group["momentum"], group["weight_decay"]) == (0.9, 1e-3)
+    assert "momentum_buffer" not in opt.state[next(model.parameters())]  # the warm-up's, stale: dropped
     assert step() == (0.9, 1e-3)
+    group["momentum"] = 0.85                                            # a schedule during the local steps
+    opt.set_gradient_exchange(False)                                    # LocalSGD calls it every step: once
+    assert step() == (0.85, 1e-3)
     opt.set_gradient_exchange(True)
     assert step() == (0.0, 0.0)
+
+
+def test_nothing_handed_back_that_was_not_taken():
+    """An optimizer created with momentum=0 (as the takeover warning advises) keeps momentum 0 and its
+    weight decay through the dense warm-up and local steps: the feedback gives back only what it took."""
+    import warnings
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    model = torch.nn.Linear(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0,
+                                                           weight_decay=5e-4),
+                                           named_parameters=model.named_parameters(),
+                                           compression="dgc:ratio=0.1,warmup=2")
+    group = opt.param_groups[0]
+    for exchange in (True, True, True, False, False):
+        opt.set_gradient_exchange(exchange)
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+        assert (group["momentum"], group["weight_decay"]) == (0.0, 5e-4)

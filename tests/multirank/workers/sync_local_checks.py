@@ -119,13 +119,15 @@ def adaptive():
             "history": o2.stats.extra["period_history"], "spread": spread(m2, "ad.final"), "exchanges": a2.exchanges}
 
 
-def balanced_run(budget, sleep, normalise=False, distributed=True):
-    """AdaptiveSync(balance=1) on a budget; each rank sleeps ``sleep[rank]`` per step. Records, at each
-    sync, this rank's parameters before the average (x_i), at the round's start (x0) and after."""
+def balanced_run(budget, sleep, normalise=False, distributed=True, period=3, min_period=1):
+    """AdaptiveSync(balance=1) on a budget, the period held at ``period`` (the divergence thresholds
+    never met); each rank sleeps ``sleep[rank]`` per step. Records, at each sync, this rank's
+    parameters before the average (x_i), at the round's start (x0) and after."""
     m = make_model()
     base = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     o = hvd_ext.DistributedOptimizer(base, named_parameters=m.named_parameters()) if distributed else base
-    a = hvd_ext.AdaptiveSync(o, m, min_period=2, max_period=8, period=3, balance=True, normalise=normalise)
+    a = hvd_ext.AdaptiveSync(o, m, min_period=min_period, max_period=8, period=period, delta_lo=0.0,
+                             delta_hi=1e30, balance=True, normalise=normalise)
     a.set_budget(budget)
     last, rounds = {}, []
     plain_step = o.step
@@ -175,6 +177,8 @@ def balance():
            "completed": a.completed, "history": a.history, "spread": spread(m, "bal.final"),
            "plans": [r[3] for r in rounds], "total_steps": int(hvd.allreduce(torch.tensor(a.steps), op=hvd.Sum,
                                                                              name="bal.steps"))}
+    _, _, at_min = balanced_run(24, (0.005, 0.015), period=2, min_period=2)
+    out["plans_at_min"] = [r[3] for r in at_min]
     restored = hvd_ext.AdaptiveSync(torch.optim.SGD(m.parameters(), lr=0.1), m, balance=True)
     restored.load_state_dict(a.state_dict())
     out["restored"] = [restored.completed, restored.plan, restored.global_steps()] == [a.completed, a.plan,
@@ -273,6 +277,8 @@ def check(c, out):
              "to the budget), twice as many once the smoothed speeds settle",
              all(p[0] > p[1] for p in b["plans"][1:-1]) and max(p[0] / p[1] for p in b["plans"]) >= 2
              and len(b["plans"]) >= 4, b["plans"])
+    c.expect("balance: at the smallest period the plan is equal (the fast rank waits)",
+             b["plans_at_min"] and all(p == [2, 2] for p in b["plans_at_min"][:-1]), b["plans_at_min"])
     c.expect("balance: identical after finish", b["spread"] == 0.0, b["spread"])
     c.expect("balance: the agreed count and plan survive state_dict/load_state_dict", b["restored"], b["restored"])
     c.expect("balance: the sync is the plain mean of the ranks' models", b["average_err"] < 1e-6, b["average_err"])
