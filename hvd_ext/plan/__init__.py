@@ -23,7 +23,7 @@ from ..auto import AUTO_OPTIONS, DEFAULT_CANDIDATES, most_accurate_within
 from ..exchange import cost
 from ..optimizer import DEFAULT_BUCKET_BYTES
 from . import presets
-from .model import OPTIMIZERS, Cluster, Row, codec_rows, horovod_rows, make_row, numel_of
+from .model import Cluster, Row, check_optimizer, codec_rows, horovod_rows, make_row, numel_of
 
 DEFAULT_METHODS = ("fp16", "qsgd:bits=8", "qsgd:bits=4", "topk:ratio=0.01", "efsignsgd", "powersgd:rank=4",
                    "qdist:bits=3")
@@ -258,8 +258,7 @@ def plan(model, compute_s: Optional[float] = None, cluster: Union[str, presets.C
     parameter count, a list of tensor sizes or shapes, a torch module or its ``named_parameters()``, or the
     name of a published model (:data:`presets.MODELS`, which also gives the compute time). ``optimizer``
     (``sgd``, ``adam`` or ``none``): the job's, which decides some codecs' routes (:func:`model.bind_like`)."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"plan: bad optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+    check_optimizer(optimizer)   # before any work
     if isinstance(model, str):
         if model not in presets.MODELS:
             raise ValueError(f"plan: unknown model {model!r}; accepted: {', '.join(presets.MODELS)}, a "

@@ -273,13 +273,17 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
 OPTIMIZERS = ("sgd", "adam", "none")
 
 
+def check_optimizer(optimizer: str) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"plan: bad optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+
+
 def bind_like(comp: Compressor, optimizer: str) -> None:
     """Bind ``comp`` to a stand-in of the job's optimizer, as ``DistributedOptimizer`` binds it, so the
     routes offered are the ones the job can take (``sig``/``ewma`` under SGD momentum keep a masked
     per-rank velocity and stay off the node-aware route). ``optimizer``: ``sgd`` (momentum 0.9),
     ``adam`` or ``none`` (unbound)."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"plan: bad optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+    check_optimizer(optimizer)
     if optimizer == "none":
         return
     p = torch.nn.Parameter(torch.zeros(1))

@@ -173,10 +173,7 @@ class AdaptiveSync(LocalSGD):
             raise RuntimeError("AdaptiveSync(balance=1): call set_budget(batches) before the first step; the "
                                "ranks take different numbers of steps, so the loop must stop on global_steps() "
                                ">= the budget, which every rank reaches at the same sync")
-        if self._world.elastic:      # agree on the counters before reading them (LocalSGD.step would too)
-            self._enter_world()
-        elif self._world.agree_due:
-            self._agree()
+        self._settle()   # agree on the counters before reading them (LocalSGD.step's call is then a no-op)
         self._check_budget()
         warm = self.in_warmup()
         if self.normalise and not warm and self.since_sync == 0:   # the round starts: keep x0

@@ -188,6 +188,14 @@ class LocalSGD(_NoSharedState):
             self._agree()
             self._set_mode()
 
+    def _settle(self) -> None:
+        """Before the counters are read (``step``/``finish``): under Horovod elastic follow the world,
+        else agree once with the other ranks (the resume recipe). Idempotent within a step."""
+        if self._world.elastic:
+            self._enter_world()
+        elif self._world.agree_due:
+            self._agree()
+
     def _agree(self) -> None:
         """Once, at the first step: if ranks hold different strategy state (a checkpoint loaded on
         rank 0 only, as in Horovod's resume recipe), every rank takes the most advanced rank's, so
@@ -223,10 +231,7 @@ class LocalSGD(_NoSharedState):
         return self.since_sync >= self.period
 
     def step(self, loss=None, closure=None):
-        if self._world.elastic:
-            self._enter_world()
-        elif self._world.agree_due:
-            self._agree()
+        self._settle()
         warm = self.in_warmup()
         out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.steps += 1
@@ -265,10 +270,7 @@ class LocalSGD(_NoSharedState):
 
     def finish(self) -> None:
         """Average what is left since the last sync so every rank ends with the same model."""
-        if self._world.elastic:
-            self._enter_world()
-        elif self._world.agree_due:
-            self._agree()
+        self._settle()
         if self.since_sync > 0:
             nbytes, wait = self._average()
             self.stats.exchanges += 1
