@@ -155,8 +155,11 @@ class AutoCompression(Compressor):
 
     def allowed(self, candidate: int) -> bool:
         """Not ruled out by the optimizer: under an adaptive one with a live second moment only
-        candidates without a memory."""
-        return not (self.live_second_moment and self.memory[candidate])
+        candidates without a memory; under a momentum optimizer no codec that needs its own memory to
+        compress the momentum (``compress_momentum``: the shared one keeps the optimizer's momentum)."""
+        c = self.candidates[candidate]
+        return not ((self.live_second_moment and self.memory[candidate])
+                    or getattr(c, "needs_compressed_momentum", False))
 
     # The pipeline calls these on the compressor it was given: pass them on to every candidate.
     def bind_optimizer(self, optimizer) -> None:
@@ -786,5 +789,12 @@ class AutoTuner(Policy):
         self.debt = {k: v.clone() for k, v in (state or {}).get("debt", {}).items()}
         self.debt_left = dict((state or {}).get("debt_left", {}))
         self._released = {}
+
+    def shared_state_dict(self) -> Dict[str, Any]:
+        """The decisions without the debt (a replaced codec's memory: this rank's own, like a residual)."""
+        return {k: v for k, v in self.state_dict().items() if k not in ("debt", "debt_left")}
+
+    def load_shared_state_dict(self, state: Dict[str, Any]) -> None:
+        self.load_state_dict({**(state or {}), "debt": self.debt, "debt_left": self.debt_left})
 
 

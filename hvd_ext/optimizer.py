@@ -290,8 +290,9 @@ class _DistributedMixin:
     def _agree_state(self):
         """Once, before this optimizer's first gradient exchange: if ranks hold hvd_ext state of
         different steps (the resume recipe loads a checkpoint on rank 0 only), every rank takes the
-        most advanced rank's step, compressor state and rank-shared feedback state (e.g. ewma's S),
-        as ``broadcast_optimizer_state`` does for the torch state. Residual memories stay per rank."""
+        most advanced rank's shared state (``GradientPipeline.shared_state_dict``: step, codec state,
+        ``auto``'s and the route trial's decisions, owner ranges, e.g. ewma's S), as
+        ``broadcast_optimizer_state`` does for the torch state. Error memories stay per rank."""
         self._world.agree_due = False
         pipe, ex = self._pipeline, self._exchange
         steps = ex.allgather_object(int(pipe.step), "hvd_ext.resume.steps")
@@ -300,14 +301,11 @@ class _DistributedMixin:
         root = steps.index(max(steps))
         mine = None
         if ex.rank == root:
-            mine = {"step": int(pipe.step), "compressor": self._compression.state_dict(),
-                    "feedback": pipe.feedback.shared_state_dict(),
+            mine = {"pipeline": pipe.shared_state_dict(),
                     "variance": self._freeze.state_dict() if self._freeze is not None else None}
         got = ex.allgather_object(mine, "hvd_ext.resume.state")[root]
         if ex.rank != root and steps[ex.rank] != steps[root]:
-            pipe.set_step(int(got["step"]))
-            self._compression.load_state_dict(got["compressor"])
-            pipe.feedback.load_shared_state_dict(got["feedback"])
+            pipe.load_shared_state_dict(got["pipeline"])
             if self._freeze is not None:
                 self._freeze.load_state_dict(got.get("variance"))
 
@@ -455,13 +453,15 @@ class _DistributedMixin:
     def _hand_back_momentum_if_bypassed(self) -> None:
         """A feedback that took the optimizer's momentum over does not run in steps that bypass it (the
         gradient exchange off, the dense warm-up): the optimizer applies the momentum itself there, and
-        the next step through the feedback takes it over again (``MomentumTakeover.hand_back_momentum``)."""
-        hand = getattr(self._compression.feedback, "hand_back_momentum", None)
+        the next step through the feedback takes it over again (``MomentumTakeover.hand_back_momentum``;
+        Signum's compressor holds its momentum itself: ``MajorityVote.hand_back_momentum``)."""
         warm = getattr(self._pipeline, "warmup_policy", None)
         bypassed = (not self._exchange_gradients or isinstance(self._pipeline, _LocalOnly)   # outside the set
                     or (warm is not None and warm.active()))
-        if hand is not None and bypassed:
-            hand()
+        for holder in (self._compression.feedback, self._compression):
+            hand = getattr(holder, "hand_back_momentum", None)
+            if hand is not None and bypassed:
+                hand()
 
     def state_dict(self):
         sd = super().state_dict()

@@ -451,6 +451,24 @@ class GradientPipeline:
         else:
             self.owner_memory.load_state_dict({})
 
+    def shared_state_dict(self) -> Dict[str, Any]:
+        """What a rank resuming behind the others takes from the most advanced one: everything every
+        rank must hold alike (step, codec state, the policies' decisions, sparse reduce-scatter's owner
+        ranges, the feedback's shared entries); never an error memory, which is each rank's own."""
+        return {"step": self.step, "compressor": self.compressor.state_dict(), "routes": self.routes,
+                "feedback": self.feedback.shared_state_dict(), "owner": self.owner_memory.shared_state_dict(),
+                **{p.key: p.shared_state_dict() for p in self.policies if p.key}}
+
+    def load_shared_state_dict(self, state: Dict[str, Any]) -> None:
+        self.set_step(int(state["step"]))
+        self.compressor.load_state_dict(state["compressor"])
+        self.feedback.load_shared_state_dict(state["feedback"])
+        for p in self.policies:
+            if p.key:
+                p.load_shared_state_dict(state.get(p.key) or {})
+        if list(state["routes"]) == self.routes:
+            self.owner_memory.load_shared_state_dict(state["owner"])
+
 
 def finish_together(pipes: List[GradientPipeline]) -> bool:
     """Finish the step of ``pipes`` (one, or a DDP model's one per DDP bucket) in order, with ONE read

@@ -47,6 +47,14 @@ class Policy:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         pass
 
+    def shared_state_dict(self) -> Dict[str, Any]:
+        """What a rank resuming behind the others takes from the most advanced one: the decisions,
+        which every rank must hold alike (default: the whole state)."""
+        return self.state_dict()
+
+    def load_shared_state_dict(self, state: Dict[str, Any]) -> None:
+        self.load_state_dict(state)
+
     def report(self) -> Dict[str, Any]:
         return {}
 

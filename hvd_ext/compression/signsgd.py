@@ -179,6 +179,7 @@ class MajorityVote(Compressor):
         self._explicit_beta = "beta" in kw
         self._optimizer = None
         self._checked_step = None
+        self._held = None   # the optimizer's momentum per parameter group, while this compressor holds it
 
     def bind_optimizer(self, optimizer):
         """The sign is taken of the momentum (Signum): take over a ``torch.optim.SGD`` optimizer's
@@ -200,6 +201,7 @@ class MajorityVote(Compressor):
         found = sorted({float(g.get("momentum", 0) or 0) for g in self._optimizer.param_groups} - {0.0})
         if not found:
             return
+        self._held = [float(g.get("momentum", 0) or 0) for g in self._optimizer.param_groups]
         for g in self._optimizer.param_groups:
             g["momentum"] = 0.0
         if announce:
@@ -209,6 +211,21 @@ class MajorityVote(Compressor):
                           f"To silence this, create the optimizer with momentum=0.", stacklevel=3)
         if not self._explicit_beta:
             self.beta = found[-1]
+
+    def hand_back_momentum(self) -> None:
+        """Steps that bypass this compressor (the gradient exchange off between parameter averages, a
+        dense warm-up) still need the momentum: give each parameter group back what was taken from it,
+        once, and drop its stale momentum buffer. The next step through here takes it over again."""
+        opt, held, self._held = self._optimizer, self._held, None
+        if opt is None or held is None or len(held) != len(opt.param_groups):
+            return
+        self._checked_step = None
+        if any(float(g.get("momentum", 0) or 0) for g in opt.param_groups):
+            return   # the optimizer has it already (a checkpoint restored in a bypassed phase)
+        for g, m in zip(opt.param_groups, held):
+            g["momentum"] = m
+            for p in g["params"]:
+                opt.state.get(p, {}).pop("momentum_buffer", None)
 
     def _vector(self, tensor, info):
         if self._optimizer is not None and info.step != self._checked_step:

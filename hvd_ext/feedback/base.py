@@ -15,16 +15,16 @@ The memory is part of the optimizer ``state_dict()``.
 from __future__ import annotations
 
 import warnings
-from typing import Any, ClassVar, Dict, Optional
+from typing import Any, ClassVar, Dict, Optional, Tuple
 
 import torch
 
 from ..options import Option, resolve_options
 
 
-# Marks a memory key (``name + SHARED + what``) whose state every rank keeps identical, or that a
-# rank resuming behind the others takes from the most advanced one; the rest is per rank.
-SHARED = "\x00"
+# Memory keys: a tensor's error memory is keyed by its name; a feedback's other entries for it by
+# ``name + SEP + what`` (no parameter name contains SEP), its tensor-independent ones by ``SEP + what``.
+SEP = "\x00"
 
 
 class Feedback:
@@ -34,6 +34,12 @@ class Feedback:
     # the node's compression left out); momentum masking and prediction sharing need each rank's
     # own sent mask.
     node_level: ClassVar[bool] = False
+    #: key endings (``SEP + what``) of the entries a rank resuming behind the others takes from the most
+    #: advanced one: state every rank keeps identical, and velocities (Horovod's resume recipe gives
+    #: every rank rank 0's momentum). Every other entry stays this rank's own: an error memory is what
+    #: this rank has not sent yet, and the sum over ranks is the update still owed -- a copy would pay
+    #: the root's twice. Collected over the class hierarchy (``shared_keys()``).
+    SHARED_KEYS: ClassVar[Tuple[str, ...]] = ()
 
     def __init__(self, **kwargs):
         self.opts = resolve_options(f"feedback '{self.name}'", self.options, kwargs)
@@ -78,15 +84,26 @@ class Feedback:
         self.memory = {k: v.clone() for k, v in state.get("memory", {}).items()}
         self._pending = {}
 
+    @classmethod
+    def shared_keys(cls) -> Tuple[str, ...]:
+        """The ``SHARED_KEYS`` of this class and of every class it derives from."""
+        return tuple(k for c in cls.__mro__ for k in vars(c).get("SHARED_KEYS", ()))
+
+    def is_shared(self, key: str) -> bool:
+        """Whether the memory entry ``key`` is taken from the most advanced rank on a resume."""
+        return key.endswith(self.shared_keys())
+
     def shared_state_dict(self) -> Dict[str, Any]:
-        """The memory entries marked rank-shared (a ``SHARED`` in the key): what a rank resuming behind
-        the others takes from the most advanced one (the optimizer's state agreement)."""
-        return {"memory": {k: v.clone() for k, v in self.memory.items() if SHARED in k}}
+        """The memory entries a rank resuming behind the others takes from the most advanced one
+        (the optimizer's state agreement): those ``is_shared`` names."""
+        return {"memory": {k: v.clone() for k, v in self.memory.items() if self.is_shared(k)}}
 
     def load_shared_state_dict(self, state: Dict[str, Any]) -> None:
-        """Take ``state``'s rank-shared entries; this rank's own per-tensor memory stays."""
-        own = {k: v for k, v in self.memory.items() if SHARED not in k}
-        self.load_state_dict({"memory": {**own, **state.get("memory", {})}})
+        """Take ``state``'s shared entries (only those ``is_shared`` names); this rank's own memory
+        (its error memories) stays."""
+        own = {k: v for k, v in self.memory.items() if not self.is_shared(k)}
+        got = {k: v for k, v in state.get("memory", {}).items() if self.is_shared(k)}
+        self.load_state_dict({"memory": {**own, **got}})
 
 
 def group_values(groups, key: str) -> set:
@@ -157,8 +174,9 @@ class MomentumTakeover:
 
     # The momentum taken over is kept in the memory (so in ``state_dict`` and in the resume agreement):
     # an optimizer restored from a checkpoint before it is wrapped already has momentum 0 / betas[0] 0.
-    _TAKEN = "\x00taken_momentum"
-    _TAKEN_DECAY = "\x00taken_weight_decay"
+    _TAKEN = SEP + "taken_momentum"
+    _TAKEN_DECAY = SEP + "taken_weight_decay"
+    SHARED_KEYS = (_TAKEN, _TAKEN_DECAY)
 
     def _remember_taken(self) -> None:
         self.memory[self._TAKEN] = torch.tensor(float(self.momentum), dtype=torch.float64)

@@ -57,6 +57,7 @@ class DGCMomentumFeedback(LocalVelocity, MomentumTakeover, Feedback):
     }
 
     VELOCITY_KEY = "\x00dgc_u"
+    SHARED_KEYS = (VELOCITY_KEY,)   # not _V, the accumulated residual: per rank
     carries_weight_decay = True  # the velocity adds SGD's weight decay, taken over with the momentum
     adam_momentum = 0.0  # Adam's first moment is the momentum: correction off unless the spec sets it
 

@@ -74,6 +74,7 @@ class EWMAFeedback(LocalVelocity, MomentumTakeover, Feedback):
                                 "optimizer's momentum, taken over; 0 = the optimizer keeps its momentum)"),
     }
     VELOCITY_KEY = "\x00ewma_u"
+    SHARED_KEYS = (_S, _AGE, VELOCITY_KEY)   # not the residual: per rank
     takes_over_plain_only = True
     carries_weight_decay = True
 

@@ -73,6 +73,7 @@ class ResidualFeedback(LocalVelocity, MomentumTakeover, Feedback):
                                  help="with velocity=local: zero the velocity on the coordinates this rank "
                                       "sent (momentum-factor masking, DGC)")}
     VELOCITY_KEY = "\x00residual_u"
+    SHARED_KEYS = (_M, _T, VELOCITY_KEY)
     #: one memory for several codecs (``auto``'s candidates): no codec reconfigures it for itself
     shared_by_candidates = False
 
@@ -136,14 +137,20 @@ def compress_momentum(comp, optimizer, adam: bool) -> None:
     momentum taken over -- ``torch.optim.SGD``'s ``momentum``, and with ``adam=True`` also the first
     moment (``betas[0]``) of Adam, AdamW and RAdam. The optimizer's momentum on an
     error-compensated sign stream diverges; compressing the shared velocity tracks ``signum``.
-    The spec's ``momentum=``/``velocity=`` keys, when given, win; call it before the feedback binds the optimizer."""
+    The spec's ``momentum=``/``velocity=`` keys, when given, win; call it before the feedback binds the optimizer.
+    A memory several codecs share (``auto``'s candidates) is not reconfigured for one of them: ``comp``
+    is marked ``needs_compressed_momentum`` instead, and ``auto`` does not choose it."""
     fb = comp.feedback
     if fb is None or fb.name != "residual":
         return
     if isinstance(optimizer, torch.optim.SGD):
-        if not any(float(g.get("momentum", 0) or 0) > 0 for g in optimizer.param_groups):
-            return
-    elif not (adam and isinstance(optimizer, fb.ADAM_FAMILY)):
+        has = any(float(g.get("momentum", 0) or 0) > 0 for g in optimizer.param_groups)
+    else:
+        has = adam and isinstance(optimizer, fb.ADAM_FAMILY)
+    if fb.shared_by_candidates:
+        comp.needs_compressed_momentum = has
+        return
+    if not has:
         return
     if "velocity" not in getattr(fb, "_explicit", ()):
         fb.velocity = "exchanged"

@@ -31,7 +31,9 @@ def sent_mask(sent: torch.Tensor, info) -> torch.Tensor:
 
 class LocalVelocity:
     """Mixin for a :class:`~hvd_ext.feedback.base.Feedback` with a ``momentum`` attribute: each rank's
-    velocity under the memory key ``name + VELOCITY_KEY`` (staged, so a skipped step keeps it)."""
+    velocity under the memory key ``name + VELOCITY_KEY`` (staged, so a skipped step keeps it).
+    A rank resuming behind the others starts from the most advanced rank's velocity: a feedback lists
+    its ``VELOCITY_KEY`` in its ``SHARED_KEYS``."""
 
     VELOCITY_KEY = "\x00velocity_u"
 

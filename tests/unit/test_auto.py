@@ -423,6 +423,21 @@ def test_under_adam_the_second_moment_stays_live_and_memory_codecs_are_left_out(
     assert VarianceFreeze.for_optimizer(opt, comp, names) is not None
 
 
+@pytest.mark.parametrize("codec", ["efsignsgd", "onebit", "randomk:ratio=0.1"])
+def test_a_codec_that_compresses_the_momentum_is_left_out_under_momentum_sgd(codec):
+    """efsignsgd, onebit and randomk compress SGD's momentum in their own residual (compress_momentum).
+    auto's candidates share one residual: it is not reconfigured for one of them (the optimizer keeps its
+    momentum for every other candidate), and that codec is not eligible while the optimizer has momentum."""
+    net = torch.nn.Linear(4, 2)
+    for momentum in (0.9, 0.0):
+        comp = hvd_ext.compression_from_spec(f"auto:candidates=none,fp16,{codec}")
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum)
+        comp.bind_optimizer(opt)
+        assert opt.param_groups[0]["momentum"] == momentum
+        assert comp.feedback.velocity == "local" and not comp.feedback.momentum
+        assert [comp.allowed(i) for i in range(3)] == [True, True, momentum == 0.0]
+
+
 def test_calibration_file_gives_auto_its_link(tmp_path, monkeypatch):
     """HVD_EXT_CALIBRATION (python -m hvd_ext.plan --measure): auto takes the flat link from the file
     instead of probing, so a slow link there makes it compress where the probe alone would not."""

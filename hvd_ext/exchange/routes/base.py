@@ -55,7 +55,13 @@ def split_flat(t: torch.Tensor, records: List[TensorRecord]) -> List[torch.Tenso
 class OwnerMemory:
     """Error-feedback memory kept by a shard's owner (two-phase / sparse reduce-scatter):
     what its re-compression did not send is added to the next step's shard.
-    Staged like the worker feedback: committed only on finite steps."""
+    Staged like the worker feedback: committed only on finite steps.
+
+    Entries whose key ends in ``SHARED_SUFFIX`` (sparse reduce-scatter's owner ranges) are identical on
+    every rank and decide what each rank sends: a rank resuming behind the others takes them from the
+    most advanced one (``load_shared_state_dict``). The residuals stay the owner's own."""
+
+    SHARED_SUFFIX = ":bounds"
 
     def __init__(self):
         self.memory: Dict[str, torch.Tensor] = {}
@@ -83,6 +89,14 @@ class OwnerMemory:
     def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
         self.memory = {k: v.clone() for k, v in (sd or {}).items()}
         self._staged = {}
+
+    def shared_state_dict(self) -> Dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.memory.items() if k.endswith(self.SHARED_SUFFIX)}
+
+    def load_shared_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+        """Take ``sd``'s shared entries (replacing this rank's); its residuals stay."""
+        own = {k: v for k, v in self.memory.items() if not k.endswith(self.SHARED_SUFFIX)}
+        self.load_state_dict({**own, **{k: v for k, v in (sd or {}).items() if k.endswith(self.SHARED_SUFFIX)}})
 
 
 def known_sizes(comp: Compressor, infos: List[TensorInfo], payloads: List[torch.Tensor],

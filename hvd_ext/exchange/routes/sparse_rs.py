@@ -40,7 +40,7 @@ from ...compression.base import from_bytes
 from ...ops.device import compact, in_range, read, upload
 from ...ops.select import FP16_MAX, topk_indices
 from ..transport import offsets, split_sizes
-from .base import Route, register
+from .base import OwnerMemory, Route, register
 
 REBALANCE_EVERY = 16
 IMBALANCE = 1.5
@@ -109,7 +109,7 @@ class SparseReduceScatterRoute(Route):
     def _bounds(self, total: int, device) -> torch.Tensor:
         """The owner ranges' edges (N + 1, on the device): the rebalanced ones, else an even split."""
         N = self.exchange.size
-        b = self.memory.memory.get(f"{self.tag}:bounds") if self.memory is not None else None
+        b = self.memory.memory.get(self.tag + OwnerMemory.SHARED_SUFFIX) if self.memory is not None else None
         if b is not None and b.numel() == N + 1:
             return b.to(device)
         sizes = split_sizes(total, N)
@@ -240,4 +240,4 @@ class SparseReduceScatterRoute(Route):
         cut = torch.searchsorted(csum, want + 1)
         new = torch.cat([old[:1], cut, old[-1:]])
         new = torch.cummax(new, 0).values  # non-decreasing
-        self.memory.stage(f"{self.tag}:bounds", torch.where(uneven, new, old))
+        self.memory.stage(self.tag + OwnerMemory.SHARED_SUFFIX, torch.where(uneven, new, old))

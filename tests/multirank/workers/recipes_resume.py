@@ -26,8 +26,9 @@ def spread(model):
 
 
 def train(model, opt, first, n, sync=None):
+    batch = skewed_batch if model[0].in_features == 40 else small_batch
     for i in range(first, first + n):
-        x, y = small_batch(RANK, i)
+        x, y = batch(RANK, i)
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -41,16 +42,30 @@ def kwargs_for(cls):
     return kw
 
 
-def resume_case(cls, spec, steps=3):
+def skewed_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def skewed_batch(rank, i):
+    """Inputs whose first 5 features are 20x the rest: the first weights' gradients dominate a top-k
+    selection, so sparse reduce-scatter moves its owner ranges (the rebalance)."""
+    g = torch.Generator().manual_seed(1000 * rank + i)
+    x = torch.randn(32, 40, generator=g)
+    x[:, :5] *= 20
+    return x, torch.randint(0, 10, (32,), generator=g)
+
+
+def resume_case(cls, spec, steps=3, make_model=small_model):
     """Train, checkpoint (rank 0's state only), rebuild everything, load on rank 0 only, recipe, train."""
-    model = small_model()
+    model = make_model()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd_ext.DistributedOptimizer(cls(model.parameters(), **kwargs_for(cls)),
                                        named_parameters=model.named_parameters(), compression=spec)
     train(model, opt, 0, steps)
     ckpt = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": opt.state_dict()}
     # a new process: fresh model and optimizer everywhere, state on rank 0 only
-    model = small_model()
+    model = make_model()
     opt = hvd_ext.DistributedOptimizer(cls(model.parameters(), **kwargs_for(cls)),
                                        named_parameters=model.named_parameters(), compression=spec)
     if RANK == 0:
@@ -64,9 +79,12 @@ def resume_case(cls, spec, steps=3):
     comp = ext.get("compressor", {})
     comp_sig = float(sum(float(v.double().abs().sum()) for d in comp.values() if isinstance(d, dict)
                          for v in d.values() if torch.is_tensor(v)))
-    steps_seen = hvd.allgather_object((int(ext["step"]), comp_sig), name="recipes.steps")
+    bounds = tuple(tuple(v.tolist()) for k, v in sorted(ext.get("owner", {}).items()) if k.endswith(":bounds"))
+    decided = (tuple((ext.get("auto") or {}).get("choice", ())), (ext.get("auto") or {}).get("last_eval"))
+    steps_seen = hvd.allgather_object((int(ext["step"]), comp_sig, bounds, decided), name="recipes.steps")
     return {"after_recipe": after_recipe, "spread": spread(model), "finite": bool(torch.isfinite(flat_params(model)).all()),
-            "same_hvd_ext_state": len(set(steps_seen)) == 1, "step": int(ext["step"])}
+            "same_hvd_ext_state": len(set(steps_seen)) == 1, "step": int(ext["step"]), "bounds": bounds,
+            "decided": decided}
 
 
 def every_optimizer():
@@ -78,8 +96,11 @@ def every_optimizer():
 
 
 # 2. compressors with feedback and/or compressor state (and step-dependent selection)
+# and what every rank must hold alike to make the same collectives: auto's decision (taken after its
+# warm-up, before the checkpoint) and sparse reduce-scatter's owner ranges (moved by its rebalance)
 SPECS = ["fp16", "topk:ratio=0.3", "topk:ratio=0.3,feedback=ewma", "powersgd:rank=1,min_compression=1",
-         "dgc:ratio=0.3", "signum", "randomk:ratio=0.3,shared=1", "qsgd:bits=4"]
+         "dgc:ratio=0.3", "signum", "randomk:ratio=0.3,shared=1", "qsgd:bits=4", "auto:warmup=2",
+         "topk:ratio=0.1,route=twophase"]
 
 
 def sync_case(sspec):
@@ -140,6 +161,11 @@ def check(checks, r):
         c.expect(f"{spec}: rank 1 took rank 0's exchange count (6)", x["step"] == 6, x)
         if spec != "signum":  # signum's momentum is per rank by design
             c.expect(f"{spec}: the same hvd_ext state on the ranks", x["same_hvd_ext_state"], x)
+    c, x = checks.section("compressors"), r["rebalanced"]
+    moved = [b for b in x["bounds"] if abs(b[1] - b[-1] / 2) > 1]  # 2 owners: not the even split by size
+    c.expect("sparse reduce-scatter: owner ranges moved before the checkpoint, the same on both ranks after "
+             "the resume", len(moved) > 0 and x["same_hvd_ext_state"], x)
+    c.expect("sparse reduce-scatter resumed: ranks identical, finite", x["spread"] == 0.0 and x["finite"], x)
     c = checks.section("sync")
     for sspec, x in r["sync"].items():
         c.expect(f"{sspec}: ranks identical", x["spread"] == 0.0, x)
@@ -160,6 +186,7 @@ def main():
     RANK, SIZE = init_horovod(hvd, process_sets=[only0])
     res = {"size": SIZE, "optimizers": every_optimizer(),
            "compressors": {spec: resume_case(torch.optim.SGD, spec) for spec in SPECS},
+           "rebalanced": resume_case(torch.optim.SGD, "topk:ratio=0.05,route=twophase", 20, skewed_model),
            "sync": {sspec: sync_case(sspec) for sspec in ["every", "local:period=2", "adaptive:min=1,max=4"]},
            "outside_set": outside_set()}
     report(RANK, res, check)

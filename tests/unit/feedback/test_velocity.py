@@ -206,4 +206,8 @@ def test_auto_candidate_sig_does_not_reconfigure_the_shared_memory():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         comp.bind_optimizer(opt)
-    assert not comp.feedback.masking and comp.feedback.velocity == "exchanged"
+    # neither sig (momentum correction) nor efsignsgd (compressed momentum) reconfigures it for itself:
+    # the optimizer keeps its momentum, and efsignsgd, which needs its own, is not eligible
+    assert not comp.feedback.masking and comp.feedback.velocity == "local" and not comp.feedback.momentum
+    assert opt.param_groups[0]["momentum"] == 0.9
+    assert [comp.allowed(i) for i in range(3)] == [True, True, False]
