@@ -621,6 +621,11 @@ class Exchange:
     def allreduce_average(self, tensors: List[torch.Tensor], name: str) -> Tuple[int, float]:
         """Average ``tensors`` in place over the ranks with ONE fused allreduce per dtype.
         Returns (payload bytes, seconds)."""
+        return self.finish_average(self.start_average(tensors, name))
+
+    def start_average(self, tensors: List[torch.Tensor], name: str) -> Pending:
+        """Start :meth:`allreduce_average`; ``tensors`` hold the average after :meth:`finish_average`
+        (on every rank, which must all start it). Work done meanwhile hides the collective's latency."""
         t0 = time.perf_counter()
         groups: Dict[torch.dtype, List[torch.Tensor]] = {}
         for t in tensors:
@@ -630,18 +635,25 @@ class Exchange:
             flat = torch.cat([t.detach().reshape(-1) for t in ts])
             nb = flat.numel() * flat.element_size()
             nbytes += nb
-            handles.append((self.transport.allreduce_async(flat, f"{name}.{str(dtype).split('.')[-1]}",
-                                                           op="average"), ts))
+            handles.append(self.transport.allreduce_async(flat, f"{name}.{str(dtype).split('.')[-1]}",
+                                                          op="average"))
             self._count("allreduce", nb, nb, cost.allreduce_wire(nb, self.size))
+        return Pending("average", handles, [ts for _, ts in sorted(groups.items(), key=lambda kv: str(kv[0]))],
+                       {"bytes": nbytes, "seconds": time.perf_counter() - t0})
+
+    def finish_average(self, pending: Pending) -> Tuple[int, float]:
+        """Wait for :meth:`start_average` and write the averages. Returns (payload bytes, seconds spent
+        starting and waiting)."""
+        t0 = time.perf_counter()
         with torch.no_grad():
-            for h, ts in handles:
+            for h, ts in zip(pending.handles, pending.meta):
                 flat = self._wait(h)
                 off = 0
                 for t in ts:
                     k = t.numel()
                     t.copy_(flat[off:off + k].view_as(t))
                     off += k
-        return nbytes, time.perf_counter() - t0
+        return pending.extra["bytes"], pending.extra["seconds"] + time.perf_counter() - t0
 
     def allreduce_scalar(self, value: float, name: str, op: str = "sum") -> float:
         """Sum (or ``op="average"``) of one float64 over the ranks."""

@@ -5,7 +5,8 @@ Local SGD whose period H adapts between ``min_period`` and ``max_period``. At ea
 sync the parameters AND the momentum buffers are averaged with one fused
 allreduce; before they are overwritten each rank computes its momentum divergence
 d_i = ||m_i - m_bar|| / ||m_bar|| and a scalar allreduce gives every rank the same
-delta = mean_i d_i. Then
+delta = mean_i d_i (started at the sync and waited for at the next step, after its forward and
+backward: its latency hides behind them). Then
 
     delta > delta_hi  ->  H = max(H // 2, min_period)   (ranks drift: sync more often)
     delta < delta_lo  ->  H = min(H + 1, max_period)    (ranks agree: sync less often)
@@ -23,7 +24,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..options import Option
-from ._common import allreduce_scalar_mean, exchange_for
+from ._common import exchange_for
 from .balance import RoundClock, normalise_updates, plan_steps
 from .local_sgd import LOCAL_OPTIONS, LocalSGD, finite_average, resolve_warmup
 
@@ -89,6 +90,7 @@ class AdaptiveSync(LocalSGD):
         self._start_valid = False
         device = self.state.params[0].device if self.state.params else torch.device("cpu")
         self._clock = RoundClock(device)
+        self._decision = None   # the last sync's decision allreduce, in flight until the next step
 
     def _configure(self, opts: Dict[str, Any]) -> None:
         if opts["min_period"] > opts["max_period"]:
@@ -188,11 +190,16 @@ class AdaptiveSync(LocalSGD):
             self._clock.start()
         return out
 
-    def _average(self):
+    def _settle(self) -> None:
+        self._decide()   # the last sync's decision first: before any counter is read or collective made
+        super()._settle()
+
+    def _average(self, defer: bool = False):
         if not self.included:
             return super()._average()
+        self._decide()
         # balance: a round ends here (a warm-up average, since_sync == 0, ends none); its plan is
-        # fixed before the period changes below
+        # fixed before the period changes
         round_end = self.balance and self.since_sync > 0
         if round_end:
             self._clock.stop()
@@ -210,43 +217,58 @@ class AdaptiveSync(LocalSGD):
         mean = torch.cat([m.reshape(-1) for m in moms]) if moms else torch.zeros(0)
         d_i = momentum_divergence(local, mean) if moms else 0.0
         d_i = d_i if math.isfinite(d_i) else 1e30
-        if self.balance:
-            delta, seconds = self._round_end(d_i, round_end)
-            nbytes += 8 * (1 + len(seconds))
-        else:
-            delta = allreduce_scalar_mean(d_i, name="hvd_ext.sync.delta", process_set=self.process_set)
-            nbytes += 8
-        self.last_delta = delta
-        self.period = next_period(self.period, delta, self.delta_lo, self.delta_hi, self.min_period, self.max_period)
-        self.history.append([self.steps, delta, self.period])
+        nbytes += self._start_decision(d_i, round_end)
         if round_end:
             self.completed += sum(plan)
+            self._start_valid = False
+            self._clock.start()
+        self.since_sync = 0
+        self.syncs += 1
+        if not defer:
+            self._decide()
+        return nbytes, wait
+
+    def _start_decision(self, d_i: float, round_end: bool) -> int:
+        """Start the one allreduce the next period (and with ``balance`` the next plan) is decided from:
+        [divergence] or, with ``balance``, [divergence, seconds per step at this rank's slot] (this
+        round's time counts only at a ``round_end``, not at a warm-up average). It stays in flight
+        through the next step's forward and backward (``_decide`` at the next ``step``). Returns its bytes."""
+        ex = exchange_for(self.process_set)
+        vec = torch.zeros(1 + ex.size if self.balance else 1, dtype=torch.float64)
+        vec[0] = d_i
+        if self.balance:
+            if round_end:
+                self._clock.lap(self.since_sync)
+            vec[1 + ex.rank] = self._clock.per_step()
+        name = "hvd_ext.sync.balance" if self.balance else "hvd_ext.sync.delta"
+        self._decision = (ex.start_average([vec], name), vec, round_end, self.steps)
+        return 8 * vec.numel()
+
+    def _decide(self) -> None:
+        """The decision of the last sync, from its allreduce (the same numbers on every rank):
+        the period by the divergence, and at a round's end the next plan by the ranks' speeds."""
+        if self._decision is None:
+            return
+        pending, vec, round_end, at_step = self._decision
+        self._decision = None
+        if self._world.moved():   # Horovod was re-initialised (elastic): the counters are agreed anew
+            return
+        ex = exchange_for(self.process_set)
+        ex.finish_average(pending)
+        delta = float(vec[0])
+        self.last_delta = delta
+        self.period = next_period(self.period, delta, self.delta_lo, self.delta_hi, self.min_period, self.max_period)
+        self.history.append([at_step, delta, self.period])
+        if round_end:
+            seconds = (vec[1:] * ex.size).tolist()
             remaining = None if self.budget is None else self.budget - self.completed
             # at the smallest period the ranks drift most: no extra steps for a fast rank (it waits)
             speeds = seconds if self.period > self.min_period else [0.0] * len(seconds)
             self.plan, self.carry = plan_steps(self.period, speeds, remaining, self.carry)
             self.stats.extra["step_plan"] = list(self.plan)
-            self._start_valid = False
-            self._clock.start()
-        self.since_sync = 0
-        self.syncs += 1
-        return nbytes, wait
-
-    def _round_end(self, d_i: float, laps: bool):
-        """One allreduce of [divergence, seconds per step at this rank's slot]: the mean divergence
-        and every rank's seconds per step (``laps``: this round's time counts; not at a warm-up average)."""
-        ex = exchange_for(self.process_set)
-        n = ex.size
-        if laps:
-            self._clock.lap(self.since_sync)
-        vec = torch.zeros(1 + n, dtype=torch.float64)
-        vec[0] = d_i
-        vec[1 + ex.rank] = self._clock.per_step()
-        ex.allreduce_average([vec], "hvd_ext.sync.balance")
-        total = (vec * n).tolist()
-        return total[0] / n, total[1:]
 
     def state_dict(self):
+        self._decide()
         sd = super().state_dict()
         sd["history"] = [list(h) for h in self.history]
         if self.balance:
@@ -255,6 +277,7 @@ class AdaptiveSync(LocalSGD):
         return sd
 
     def load_state_dict(self, sd):
+        self._decision = None   # what the last sync would have decided: replaced by the loaded state
         super().load_state_dict(sd)
         self.history[:] = [list(h) for h in sd.get("history", [])]
         if self.balance:

@@ -240,12 +240,12 @@ class LocalSGD(_NoSharedState):
             if self.distributed:
                 self.grad_steps += 1      # the optimizer exchanged and recorded this step itself
             else:
-                nbytes, wait = self._average()
+                nbytes, wait = self._average(defer=True)
                 synced = True
         else:
             self.since_sync += 1
             if self._due():
-                nbytes, wait = self._average()
+                nbytes, wait = self._average(defer=True)
                 synced = True
         if not (warm and self.distributed):
             self.stats.record(bytes_sent=nbytes, bytes_received=nbytes, comm_wait_s=wait, compress_s=0.0,
@@ -256,7 +256,9 @@ class LocalSGD(_NoSharedState):
     def _tensors(self):
         return self.state.params + self.state.buffers + self.state.momentum_tensors()
 
-    def _average(self):
+    def _average(self, defer: bool = False):
+        """Average the tensors now. ``defer``: a strategy may leave what it decides from the average
+        in flight until the next ``step`` (``AdaptiveSync``); here nothing is decided."""
         if not self.included:  # outside the process set: local steps only, as Horovod
             self.since_sync = 0
             return 0, 0.0

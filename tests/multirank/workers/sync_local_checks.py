@@ -109,12 +109,14 @@ def adaptive():
     o2 = hvd_ext.DistributedOptimizer(torch.optim.SGD(m2.parameters(), lr=0.05, momentum=0.9),
                                       named_parameters=m2.named_parameters())
     a2 = hvd_ext.AdaptiveSync(o2, m2, min_period=1, max_period=6)
+    flight = []   # after each step: (syncs, periods decided, a decision still in flight)
     for t in range(30):
         o2.zero_grad()
         loss_of(m2, t).backward()
         a2.step()
+        flight.append((a2.syncs, len(a2.history), a2._decision is not None))
     a2.finish()
-    return {"agree": list(agree), "diverge": list(diverge), "clamp": clamp,
+    return {"flight": flight, "agree": list(agree), "diverge": list(diverge), "clamp": clamp,
             "mom_spread": float((allm - allm[0]).abs().max()),
             "history": o2.stats.extra["period_history"], "spread": spread(m2, "ad.final"), "exchanges": a2.exchanges}
 
@@ -141,12 +143,13 @@ def balanced_run(budget, sleep, normalise=False, distributed=True, period=3, min
     t = 0
     while a.global_steps() < a.budget:
         if a.since_sync == 0:
-            last["x0"], last["plan"] = flat(m).clone(), list(a._round_plan())
+            last["x0"] = flat(m).clone()
         o.zero_grad()
         loss_of(m, t).backward()
         time.sleep(sleep[rank])
         syncs = a.syncs
         a.step()
+        last["plan"] = list(a._round_plan())   # decided at the round's first step, kept until the next one
         t += 1
         if a.syncs > syncs:
             rounds.append((last["x0"], last["x"], flat(m).clone(), last["plan"]))
@@ -268,6 +271,9 @@ def check(c, out):
     c.expect("adaptive: real run identical on the ranks, one exchange per history entry",
              a["spread"] == 0.0 and a["exchanges"] == len(a["history"]), (a["spread"], a["exchanges"]))
     c.expect("adaptive: periods within [1, 6]", all(1 <= h[2] <= 6 for h in a["history"]), a["history"])
+    c.expect("adaptive: a sync's decision stays in flight until the next step, which decides it first",
+             all(s == n + f for s, n, f in a["flight"]) and any(f for *_, f in a["flight"])
+             and all(n == s_prev for (s_prev, _, _), (_, n, _) in zip(a["flight"], a["flight"][1:])), a["flight"])
     b = out["balance"]
     c.expect("balance: a step before set_budget() raises, naming it", b["no_budget"] and "set_budget" in b["no_budget"],
              b["no_budget"])
