@@ -171,6 +171,10 @@ class AutoCompression(Compressor):
             bind = getattr(type(c), "bind_optimizer", None)
             if bind is not None and bind is not Compressor.bind_optimizer:
                 bind(c, optimizer)
+        if not any(self.allowed(i) for i in range(len(self.candidates))):
+            raise ValueError(f"auto: no candidate can run under {type(optimizer).__name__} (candidates: "
+                             f"{', '.join(self.candidate_specs)}); accepted: a list with one that keeps no "
+                             "error-feedback memory, e.g. none, fp16 or qsgd:bits=8")
 
     def compress(self, tensor, info):  # pragma: no cover - the pipeline uses the candidates
         raise RuntimeError("auto is a selector: the pipeline compresses with the chosen candidate")

@@ -23,8 +23,9 @@ the world-dependent parts in the same way: the gradient pipeline's buckets
 and routes for the new size, the owner-side memories of the two-phase and
 sparse reduce-scatter routes (dropped: the shard layout belongs to the old
 world), the sparse-gradient agreement; then checks the configuration again
-and agrees on the step counter, compressor state and rank-shared feedback
-state (a newly joined worker takes the most advanced rank's). Worker
+and agrees on the shared state (``GradientPipeline.shared_state_dict``: step
+counter, compressor state, auto's decisions, shared feedback state; a newly
+joined worker takes the most advanced rank's). Worker
 residuals are per rank and stay: a surviving worker keeps its own, a newly
 joined worker starts from zero; ``TorchState``'s commit/restore carries them
 (``state_dict()``), so after a failed step every survivor is back at its

@@ -92,6 +92,9 @@ def config_fingerprint(named_params, compressor: Compressor, op_name: str, backw
         "parameters": [(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in named_params],
         "buckets": [list(b) for b in buckets],
         "routes": list(routes or []),
+        # auto: the candidates the optimizer leaves it (a different optimizer on a rank would make it choose otherwise)
+        "eligible": [bool(compressor.allowed(i)) for i in range(len(compressor.candidates))]
+        if callable(getattr(compressor, "allowed", None)) else None,
     }
 
 

@@ -187,7 +187,14 @@ class MajorityVote(Compressor):
         with a warning), so momentum is not applied to the noisy signs afterwards (under the
         optimizer's momentum the scaled vote first climbs, then collapses). An optimizer with its own
         first moment (Adam's ``betas``) keeps it: the sign is then taken of the gradient (beta=0
-        unless the spec sets it), since a second momentum on top of Adam's converges far worse."""
+        unless the spec sets it), since a second momentum on top of Adam's converges far worse.
+        As one of ``auto``'s candidates it leaves the optimizer alone (the other candidates need its
+        momentum) and is marked ``needs_compressed_momentum`` under an SGD momentum: auto does not
+        choose it then."""
+        if getattr(self.feedback, "shared_by_candidates", False):
+            self.needs_compressed_momentum = (isinstance(optimizer, torch.optim.SGD) and any(
+                float(g.get("momentum", 0) or 0) for g in optimizer.param_groups))
+            return
         if isinstance(optimizer, torch.optim.SGD):
             self._optimizer = optimizer
             self._take_over(announce=True)
@@ -251,11 +258,18 @@ class MajorityVote(Compressor):
         self._staged = {}
 
     def state_dict(self):
-        return {"momentum": {k: v.clone() for k, v in self.momentum.items()}}
+        return {"momentum": {k: v.clone() for k, v in self.momentum.items()}, "beta": self.beta,
+                "held": None if self._held is None else list(self._held)}
 
     def load_state_dict(self, state):
+        """The momenta, and what was taken from the optimizer (an optimizer restored before it is
+        wrapped already has momentum 0: nothing is left to take)."""
         self.momentum = {k: v.clone() for k, v in state.get("momentum", {}).items()}
         self._staged = {}
+        if state.get("held") is not None:
+            self._held = [float(m) for m in state["held"]]
+            if not self._explicit_beta:
+                self.beta = float(state.get("beta", self.beta))
 
     def _nscales(self, n: int) -> int:
         return chunks(n, self.bucket) if self.scale == "l1" else 0

@@ -23,7 +23,8 @@ from ..options import Option, resolve_options
 
 
 # Memory keys: a tensor's error memory is keyed by its name; a feedback's other entries for it by
-# ``name + SEP + what`` (no parameter name contains SEP), its tensor-independent ones by ``SEP + what``.
+# ``name + SEP + what`` (``what`` names the entry; no parameter name contains SEP, hvd_ext's own
+# flat-record names start with it), its tensor-independent ones by ``SEP + what``.
 SEP = "\x00"
 
 

@@ -4,9 +4,10 @@ Lin, Stich, Patel, Jaggi, ICLR 2020).
 Local SGD whose period H adapts between ``min_period`` and ``max_period``. At each
 sync the parameters AND the momentum buffers are averaged with one fused
 allreduce; before they are overwritten each rank computes its momentum divergence
-d_i = ||m_i - m_bar|| / ||m_bar|| and a scalar allreduce gives every rank the same
-delta = mean_i d_i (started at the sync and waited for at the next step, after its forward and
-backward: its latency hides behind them). Then
+d_i = ||m_i - m_bar|| / ||m_bar|| and a small allreduce (a scalar; with ``balance`` also the ranks'
+speeds) gives every rank the same delta = mean_i d_i. It is started at the sync and waited for at
+the next ``step()``, after that step's forward and backward, which hide its latency; until then
+``period``, ``plan`` and the history still show the previous decision. Then
 
     delta > delta_hi  ->  H = max(H // 2, min_period)   (ranks drift: sync more often)
     delta < delta_lo  ->  H = min(H + 1, max_period)    (ranks agree: sync less often)

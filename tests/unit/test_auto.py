@@ -30,6 +30,24 @@ def test_spec_parsing_and_errors():
             hvd_ext.compression_from_spec(bad)
 
 
+def test_a_rank_resuming_behind_takes_the_decision_not_the_debt(monkeypatch):
+    """The resume agreement (GradientPipeline.shared_state_dict): a behind rank takes the most
+    advanced rank's choice and calibration, never its debt (a replaced codec's memory: per rank)."""
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
+    spec = "auto:warmup=2,accuracy=relaxed,candidates=none,topk:ratio=0.1,scope=layer,route=allgather"
+    root = run_pipeline(spec, _grads(6, 2), 2, bucket_bytes=8000)[0].pipeline
+    lag = run_pipeline(spec, _grads(1, 2), 2, bucket_bytes=8000)[1].pipeline
+    root.auto.debt, root.auto.debt_left = {"w1": torch.ones(3)}, {"w1": 5}
+    lag.auto.debt, lag.auto.debt_left = {"b1": torch.full((2,), 7.0)}, {"b1": 9}
+    shared = root.shared_state_dict()
+    assert "debt" not in shared["auto"] and "debt_left" not in shared["auto"]
+    assert root.auto.last_eval is not None and lag.auto.last_eval is None
+    lag.load_shared_state_dict(shared)
+    assert lag.auto.choice == root.auto.choice and lag.auto.last_eval == root.auto.last_eval
+    assert [b.route.name for b in lag.buckets] == [b.route.name for b in root.buckets]
+    assert set(lag.auto.debt) == {"b1"} and lag.auto.debt_left == {"b1": 9}
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_dense_until_warmup_then_same_choice_everywhere(monkeypatch, size):
     monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
@@ -423,19 +441,30 @@ def test_under_adam_the_second_moment_stays_live_and_memory_codecs_are_left_out(
     assert VarianceFreeze.for_optimizer(opt, comp, names) is not None
 
 
-@pytest.mark.parametrize("codec", ["efsignsgd", "onebit", "randomk:ratio=0.1"])
+@pytest.mark.parametrize("codec", ["efsignsgd", "onebit", "randomk:ratio=0.1", "signum", "signsgd"])
 def test_a_codec_that_compresses_the_momentum_is_left_out_under_momentum_sgd(codec):
-    """efsignsgd, onebit and randomk compress SGD's momentum in their own residual (compress_momentum).
-    auto's candidates share one residual: it is not reconfigured for one of them (the optimizer keeps its
-    momentum for every other candidate), and that codec is not eligible while the optimizer has momentum."""
+    """efsignsgd, onebit and randomk compress SGD's momentum in their own residual (compress_momentum);
+    signum and signSGD take it over. auto's candidates share one residual and one optimizer: neither is
+    reconfigured for one of them (the optimizer keeps its momentum for every other candidate), and that
+    codec is not eligible while the optimizer has momentum -- whatever order the candidates come in."""
     net = torch.nn.Linear(4, 2)
     for momentum in (0.9, 0.0):
-        comp = hvd_ext.compression_from_spec(f"auto:candidates=none,fp16,{codec}")
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum)
-        comp.bind_optimizer(opt)
-        assert opt.param_groups[0]["momentum"] == momentum
-        assert comp.feedback.velocity == "local" and not comp.feedback.momentum
-        assert [comp.allowed(i) for i in range(3)] == [True, True, momentum == 0.0]
+        other = "signsgd" if codec == "signum" else "signum"
+        for spec in (f"auto:candidates=none,fp16,{codec},{other}", f"auto:candidates=none,{other},fp16,{codec}"):
+            comp = hvd_ext.compression_from_spec(spec)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum)
+            comp.bind_optimizer(opt)
+            assert opt.param_groups[0]["momentum"] == momentum
+            assert comp.feedback.velocity == "local" and not comp.feedback.momentum
+            for i, s in enumerate(comp.candidate_specs):
+                assert comp.allowed(i) == (s in ("none", "fp16") or momentum == 0.0), (spec, s)
+
+
+def test_no_eligible_candidate_is_refused_at_construction():
+    net = torch.nn.Linear(4, 2)
+    comp = hvd_ext.compression_from_spec("auto:candidates=efsignsgd,signum")
+    with pytest.raises(ValueError, match="no candidate can run under SGD.*accepted"):
+        comp.bind_optimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
 
 
 def test_calibration_file_gives_auto_its_link(tmp_path, monkeypatch):

@@ -142,6 +142,28 @@ def test_steps_that_bypass_the_feedback_keep_the_taken_momentum(spec):
     assert step() == held
 
 
+def test_signum_keeps_what_it_took_through_a_checkpoint():
+    """An optimizer restored before it is wrapped has momentum 0 already: signSGD takes the momentum it
+    took (and its beta) from the checkpoint, and hands it back for bypassed steps."""
+    import warnings
+
+    from hvd_ext.spec import compression_from_spec
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = compression_from_spec("signsgd")
+        first.bind_optimizer(torch.optim.SGD([p], lr=0.1, momentum=0.9))
+        restored = torch.optim.SGD([p], lr=0.1, momentum=0.0)
+        again = compression_from_spec("signsgd")
+        again.bind_optimizer(restored)
+    assert again.beta == 0.0
+    again.load_state_dict(first.state_dict())
+    assert again.beta == 0.9
+    again.hand_back_momentum()
+    assert restored.param_groups[0]["momentum"] == 0.9
+
+
 def test_nothing_handed_back_that_was_not_taken():
     """An optimizer created with momentum=0 (as the takeover warning advises) keeps momentum 0 and its
     weight decay through the dense warm-up and local steps: the feedback gives back only what it took."""

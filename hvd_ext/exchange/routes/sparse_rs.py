@@ -106,10 +106,15 @@ class SparseReduceScatterRoute(Route):
     def _value_dtype(self):
         return getattr(self.comp, "value_dtype", torch.float32)
 
+    def _bounds_key(self, total: int) -> str:
+        """Where the owner ranges of this route's ``total`` entries are kept: the size is in the key, so
+        ranges of another layout (a node-aware route's other shard) are never taken for these."""
+        return f"{self.tag}@{total}{OwnerMemory.SHARED_SUFFIX}"
+
     def _bounds(self, total: int, device) -> torch.Tensor:
         """The owner ranges' edges (N + 1, on the device): the rebalanced ones, else an even split."""
         N = self.exchange.size
-        b = self.memory.memory.get(self.tag + OwnerMemory.SHARED_SUFFIX) if self.memory is not None else None
+        b = self.memory.memory.get(self._bounds_key(total)) if self.memory is not None else None
         if b is not None and b.numel() == N + 1:
             return b.to(device)
         sizes = split_sizes(total, N)
@@ -240,4 +245,4 @@ class SparseReduceScatterRoute(Route):
         cut = torch.searchsorted(csum, want + 1)
         new = torch.cat([old[:1], cut, old[-1:]])
         new = torch.cummax(new, 0).values  # non-decreasing
-        self.memory.stage(self.tag + OwnerMemory.SHARED_SUFFIX, torch.where(uneven, new, old))
+        self.memory.stage(self._bounds_key(self.total), torch.where(uneven, new, old))

@@ -74,3 +74,18 @@ def test_a_rank_resuming_behind_takes_the_owner_ranges_not_the_owner_residual():
         assert torch.equal(lag.owner_memory.memory[k], v)
     for k, v in own.items():
         assert torch.equal(lag.owner_memory.memory[k], v)
+
+
+def test_the_taken_momentum_travels_with_the_shared_state():
+    """What a feedback took over from the optimizer is every rank's: a rank resuming behind takes it."""
+    import warnings
+
+    fb = make_feedback("dgc_momentum")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.8, weight_decay=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fb.bind_optimizer(opt)
+    lag = make_feedback("dgc_momentum")
+    lag.load_shared_state_dict(fb.shared_state_dict())
+    assert float(lag.memory[SEP + "taken_momentum"]) == 0.8 and lag.momentum == 0.8
+    assert float(lag.memory[SEP + "taken_weight_decay"]) == 1e-4
