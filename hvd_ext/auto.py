@@ -461,7 +461,8 @@ class AutoTuner(Policy):
     def predict(self, kind: str, numel: int, payload: float, enc: float, dec: float) -> float:
 
         wire, code = cost.route_wire_and_code(kind, self.pipe.size, payload, enc, dec)
-        return _COLLECTIVES.get(kind, 2) * self.link["lat"] + wire / self.link["bw"] + code
+        link_s = wire / self.link["bw"] if wire > 0 else 0.0   # one rank (elastic at size 1): nothing on the wire
+        return _COLLECTIVES.get(kind, 2) * self.link["lat"] + link_s + code
 
     def evaluate(self, reason: str) -> None:
         """One decision: measure (link, codecs, compute: the ranks' mean) -> predict every candidate on
@@ -757,7 +758,8 @@ class AutoTuner(Policy):
                 return
         else:
             self._strikes = 0
-        self.decisions[-1]["measured_ms"] = round(got * 1e3, 3)
+        if self.decisions:   # none on a rank that resumed (the decisions' log is not kept)
+            self.decisions[-1]["measured_ms"] = round(got * 1e3, 3)
         self._measured = []
 
     def report(self) -> Dict[str, Any]:
@@ -772,6 +774,7 @@ class AutoTuner(Policy):
     def state_dict(self) -> Dict[str, Any]:
         return {"choice": list(self.choice), "routes": [b.route.name for b in self.pipe.buckets],
                 "size": self.pipe.size, "last_eval": self.last_eval, "calib": dict(self.calib),
+                "predicted_s": self.predicted_s,
                 "debt": {k: v.clone() for k, v in self.debt.items()}, "debt_left": dict(self.debt_left),
                 "guard": None if self.guard is None else self.guard.ratio}
 
@@ -786,6 +789,7 @@ class AutoTuner(Policy):
                     self.pipe.set_bucket_compressor(b, self.auto.candidates[ci], kind)
             self.choice = ch
             self.last_eval = state.get("last_eval")
+            self.predicted_s = state.get("predicted_s")   # what the drift checks compare with
             self.calib = {int(k): float(v) for k, v in (state.get("calib") or {}).items()}
             ratio = state.get("guard")
             if self.guard is not None and ratio is not None and len(ratio) == len(self.pipe.buckets):

@@ -252,7 +252,7 @@ class _DistributedMixin:
         fp = config_fingerprint(a.params, self._compression, self._exchange.op_name,
                                 self.backward_passes_per_step, self.gradient_predivide_factor, a.bucket_bytes,
                                 self._sparse.requested_as_dense, buckets,
-                                list(self._pipeline.routes))
+                                list(self._pipeline.configured_routes))
         msg = fingerprint_mismatch(self._exchange.allgather_object(fp, "hvd_ext.config"))
         if msg is not None:
             raise ValueError(msg)

@@ -126,6 +126,9 @@ class GradientPipeline:
         # hierarchy=auto on a multi-node job: flat against node-aware, measured (hvd_ext.route_trial)
         self.route_trial: Optional[RouteTrial] = RouteTrial.plan(self)
         self.policies: List[Policy] = [p for p in (self.warmup_policy, self.auto, self.route_trial) if p is not None]
+        # the routes as built, before any step or state moves them: what the ranks' configuration check
+        # compares (a rank joining an elastic job is at step 0; the others' routes follow their decisions)
+        self.configured_routes: List[str] = self.routes
         self._step_code_s = 0.0
         self._checks = Checks()  # device-side checks of the step in progress (read by finish)
         self._flat = None  # this step's exchange of a caller's flat buffer (start_flat)

@@ -5,9 +5,11 @@ Run under ``horovodrun -np 2 --min-np 1 --max-np 2 --host-discovery-script DISC
 rank 0 rewrites: ``localhost:1`` (a worker is removed) once the job has trained at
 size 2, ``localhost:2`` (a worker is added back) once it has trained at size 1. Every
 decision depends on the synced step counter, the phase and ``hvd.size()`` only, so all
-ranks agree. Five models, each with its own hvd_ext optimizer, share one
+ranks agree. Seven models, each with its own hvd_ext optimizer, share one
 ``hvd.elastic.TorchState``: topk with error feedback on the two-phase (sparse
-reduce-scatter) route, PowerSGD (compressor state) and ``none``, every step; and two
+reduce-scatter) route, PowerSGD (compressor state), ``none``, ``auto`` (decided before the
+removal: the joiner takes the decision) and topk after a dense warm-up (the joiner's routes
+differ from the survivor's until it takes the step counter), every step; and two
 under ``hvd_ext.LocalSGD``: ``local`` (period 4, parameter averages only) and ``warm``
 (topk inside a warm-up longer than the run, i.e. gradient exchange switched on by the
 strategy).
@@ -39,6 +41,7 @@ import hvd_ext  # noqa: E402
 from common import Checks  # noqa: E402
 
 SPECS = {"topk": "topk:ratio=0.1,route=twophase", "powersgd": "powersgd:rank=2,warmup=10", "none": "none",
+         "auto": "auto:warmup=2,accuracy=relaxed,candidates=none,topk:ratio=0.1", "topkw": "topk:ratio=0.1,warmup=5",
          "local": "none", "warm": "topk:ratio=0.1"}
 SYNC = {"local": dict(period=4), "warm": dict(period=4, warmup=10 ** 6)}
 
@@ -203,7 +206,7 @@ def check_survivor(c, r):
     c.expect("trained at sizes 2, 1, 2", [e["size"] for e in after] == [2, 1, 2], [e["size"] for e in after])
     c.expect("the reset callbacks saw sizes 1, 2", [x["size"] for x in r["resets"]] == [1, 2], r["resets"])
     c.expect("two world changes per optimizer, none for local",
-             r["world_changes"] == {"topk": 2, "powersgd": 2, "none": 2, "warm": 2, "local": 0}, r["world_changes"])
+             r["world_changes"] == {"topk": 2, "powersgd": 2, "none": 2, "auto": 2, "topkw": 2, "warm": 2, "local": 0}, r["world_changes"])
     for i, e in enumerate(after):  # routes rebuilt for the new size; the step counter continued
         t = e["opts"]["topk"]
         c.expect(f"world {i} (size {e['size']}): topk's pipeline rebuilt for the size, its routes for it",
@@ -264,7 +267,7 @@ def check_crash(c, r, args):
     c.expect("pipeline steps follow the step counter (local: 0)",
              r["pipeline_steps"] == {**{k: steps for k in r["pipeline_steps"]}, "local": 0}, r["pipeline_steps"])
     c.expect("one world change per optimizer, none for local",
-             r["world_changes"] == {"topk": 1, "powersgd": 1, "none": 1, "warm": 1, "local": 0}, r["world_changes"])
+             r["world_changes"] == {"topk": 1, "powersgd": 1, "none": 1, "auto": 1, "topkw": 1, "warm": 1, "local": 0}, r["world_changes"])
     before = [e for e in r["events"] if e["when"] == "before"]
     after = [e for e in r["events"] if e["when"] == "after"]
     c.expect("trained at sizes 2, 1", [e["size"] for e in after] == [2, 1], [e["size"] for e in after])
