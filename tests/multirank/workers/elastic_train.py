@@ -5,14 +5,14 @@ Run under ``horovodrun -np 2 --min-np 1 --max-np 2 --host-discovery-script DISC
 rank 0 rewrites: ``localhost:1`` (a worker is removed) once the job has trained at
 size 2, ``localhost:2`` (a worker is added back) once it has trained at size 1. Every
 decision depends on the synced step counter, the phase and ``hvd.size()`` only, so all
-ranks agree. Seven models, each with its own hvd_ext optimizer, share one
+ranks agree. Eight models, each with its own hvd_ext optimizer, share one
 ``hvd.elastic.TorchState``: topk with error feedback on the two-phase (sparse
 reduce-scatter) route, PowerSGD (compressor state), ``none``, ``auto`` (decided before the
 removal: the joiner takes the decision) and topk after a dense warm-up (the joiner's routes
-differ from the survivor's until it takes the step counter), every step; and two
+differ from the survivor's until it takes the step counter), every step; two
 under ``hvd_ext.LocalSGD``: ``local`` (period 4, parameter averages only) and ``warm``
 (topk inside a warm-up longer than the run, i.e. gradient exchange switched on by the
-strategy).
+strategy); and ``adapt`` under ``hvd_ext.AdaptiveSync``.
 
 With ``--crash-at N`` (DISC listing two "hosts", ``localhost:1`` and ``127.0.0.1:1``)
 the worker of rank 1 exits at step N instead: the survivor's next collective fails
@@ -42,8 +42,10 @@ from common import Checks  # noqa: E402
 
 SPECS = {"topk": "topk:ratio=0.1,route=twophase", "powersgd": "powersgd:rank=2,warmup=10", "none": "none",
          "auto": "auto:warmup=2,accuracy=relaxed,candidates=none,topk:ratio=0.1", "topkw": "topk:ratio=0.1,warmup=5",
-         "local": "none", "warm": "topk:ratio=0.1"}
-SYNC = {"local": dict(period=4), "warm": dict(period=4, warmup=10 ** 6)}
+         "local": "none", "warm": "topk:ratio=0.1", "adapt": "none"}
+SYNC = {"local": dict(period=4), "warm": dict(period=4, warmup=10 ** 6),
+        "adapt": dict(min_period=1, max_period=4)}   # AdaptiveSync: its decision in flight across steps
+LOCAL_ONLY = ("local", "adapt")   # strategies whose optimizer never exchanges gradients
 
 
 def parse_args():
@@ -81,7 +83,8 @@ class Job:
                                                      named_parameters=m.named_parameters(), compression=SPECS[k],
                                                      bucket_bytes=1 << 20)
                      for k, m in self.models.items()}
-        self.syncs = {k: hvd_ext.LocalSGD(self.opts[k], self.models[k], **kw) for k, kw in SYNC.items()}
+        self.syncs = {k: (hvd_ext.AdaptiveSync if k == "adapt" else hvd_ext.LocalSGD)(self.opts[k], self.models[k], **kw)
+                      for k, kw in SYNC.items()}
         init_loss = {k: self.eval_loss(k) for k in SPECS}
         kw = {}
         for k in SPECS:
@@ -206,14 +209,14 @@ def check_survivor(c, r):
     c.expect("trained at sizes 2, 1, 2", [e["size"] for e in after] == [2, 1, 2], [e["size"] for e in after])
     c.expect("the reset callbacks saw sizes 1, 2", [x["size"] for x in r["resets"]] == [1, 2], r["resets"])
     c.expect("two world changes per optimizer, none for local",
-             r["world_changes"] == {"topk": 2, "powersgd": 2, "none": 2, "auto": 2, "topkw": 2, "warm": 2, "local": 0}, r["world_changes"])
+             r["world_changes"] == {"topk": 2, "powersgd": 2, "none": 2, "auto": 2, "topkw": 2, "warm": 2, **{k: 0 for k in LOCAL_ONLY}}, r["world_changes"])
     for i, e in enumerate(after):  # routes rebuilt for the new size; the step counter continued
         t = e["opts"]["topk"]
         c.expect(f"world {i} (size {e['size']}): topk's pipeline rebuilt for the size, its routes for it",
                  t["pipeline_size"] == e["size"]
                  and t["routes"] == (["sparse_rs"] if e["size"] == 2 else ["allgather"]), t)
         c.expect(f"world {i} (size {e['size']}): pipeline steps and strategy steps follow the step counter",
-                 all(o["pipeline_step"] == e["step"] for k, o in e["opts"].items() if k != "local")
+                 all(o["pipeline_step"] == e["step"] for k, o in e["opts"].items() if k not in LOCAL_ONLY)
                  and all(s["steps"] == e["step"] for s in e["syncs"].values()), e)
     # At size 1: the owner-side memory of the sparse reduce-scatter (its residual and owner ranges)
     # was dropped, the worker residual (error feedback) came through the reset
@@ -237,7 +240,7 @@ def check_joiner(c, r):
              all(o["pipeline_step"] == 0 and o["residual"] == 0 for o in jb["opts"].values())
              and all(s["steps"] == 0 for s in jb["syncs"].values()), jb)
     c.expect("took the step counter over after its first step",
-             all(o["pipeline_step"] == r["joined_at"] + 1 for k, o in ja["opts"].items() if k != "local")
+             all(o["pipeline_step"] == r["joined_at"] + 1 for k, o in ja["opts"].items() if k not in LOCAL_ONLY)
              and all(s["steps"] == r["joined_at"] + 1 for s in ja["syncs"].values()), (r["joined_at"], ja))
     c.expect("topk has a residual after its first step", ja["opts"]["topk"]["residual"] > 0, ja["opts"]["topk"])
 
@@ -248,7 +251,7 @@ def check_readd(checks, r):
              r["finished"] and r["phase"] == 4 and r["size"] == 2, (r["finished"], r["phase"], r["size"]))
     # hvd_ext state followed the synced step counter through both resets (local: never exchanges)
     c.expect("pipeline steps follow the step counter (local: 0)",
-             r["pipeline_steps"] == {**{k: r["step"] for k in r["pipeline_steps"]}, "local": 0},
+             r["pipeline_steps"] == {**{k: r["step"] for k in r["pipeline_steps"]}, **{k: 0 for k in LOCAL_ONLY}},
              (r["pipeline_steps"], r["step"]))
     c.expect("topk routes back to ['sparse_rs']", r["routes"]["topk"] == ["sparse_rs"], r["routes"])
     if r["joined_at"] == 0:
@@ -265,16 +268,16 @@ def check_crash(c, r, args):
              r["restores"] and r["restores"][0] <= args.crash_at, r["restores"])
     c.expect("the reset callback saw size 1", [x["size"] for x in r["resets"]] == [1], r["resets"])
     c.expect("pipeline steps follow the step counter (local: 0)",
-             r["pipeline_steps"] == {**{k: steps for k in r["pipeline_steps"]}, "local": 0}, r["pipeline_steps"])
+             r["pipeline_steps"] == {**{k: steps for k in r["pipeline_steps"]}, **{k: 0 for k in LOCAL_ONLY}}, r["pipeline_steps"])
     c.expect("one world change per optimizer, none for local",
-             r["world_changes"] == {"topk": 1, "powersgd": 1, "none": 1, "auto": 1, "topkw": 1, "warm": 1, "local": 0}, r["world_changes"])
+             r["world_changes"] == {"topk": 1, "powersgd": 1, "none": 1, "auto": 1, "topkw": 1, "warm": 1, **{k: 0 for k in LOCAL_ONLY}}, r["world_changes"])
     before = [e for e in r["events"] if e["when"] == "before"]
     after = [e for e in r["events"] if e["when"] == "after"]
     c.expect("trained at sizes 2, 1", [e["size"] for e in after] == [2, 1], [e["size"] for e in after])
     # the restored hvd_ext state matches the restored step counter; residuals came back with it
     c.expect("restored: the pipeline steps are the restored step counter's, at size 1",
              before[1]["size"] == 1
-             and all(o["pipeline_step"] == before[1]["step"] for k, o in before[1]["opts"].items() if k != "local"),
+             and all(o["pipeline_step"] == before[1]["step"] for k, o in before[1]["opts"].items() if k not in LOCAL_ONLY),
              before[1])
     c.expect("restored: topk's residual came back", before[1]["opts"]["topk"]["residual"] > 0,
              before[1]["opts"]["topk"])
