@@ -90,14 +90,15 @@ class RoundClock:
     """Seconds per step of this rank between two syncs: CUDA events on the current stream on a GPU
     (read once per round, after the average has waited for the stream anyway), the host clock on a
     CPU. ``per_step()`` is the median of the last ``window`` rounds, so one slow round (an evaluation
-    on rank 0, a pause) does not move the plan."""
+    on rank 0, a pause) does not move the plan. Only spans from a ``start()`` count: the strategy
+    starts the clock at a sync, so the first round, which holds the job's setup and the first step's
+    agreements, is not timed."""
 
     def __init__(self, device: torch.device, window: int = 5):
         self.device = device
         self.cuda = device.type == "cuda"
         self.laps = deque(maxlen=window)
         self._start = self._end = None
-        self.start()
 
     def _mark(self):
         if not self.cuda:
@@ -113,8 +114,8 @@ class RoundClock:
         self._end = self._mark()
 
     def seconds(self) -> float:
-        """The last start-to-stop span (``nan`` before a stop)."""
-        if self._end is None:
+        """The last start-to-stop span (``nan`` before a start and a stop)."""
+        if self._start is None or self._end is None:
             return float("nan")
         if not self.cuda:
             return self._end - self._start

@@ -62,7 +62,11 @@ def test_normalise_updates():
 
 def test_round_clock_on_cpu():
     clock = RoundClock(torch.device("cpu"), window=3)
-    assert math.isnan(clock.seconds()) and clock.per_step() == 0.0   # no stop yet
+    clock.stop()
+    clock.lap(2)
+    assert math.isnan(clock.seconds()) and clock.per_step() == 0.0   # never started: nothing timed
+    clock.start()
+    assert math.isnan(clock.seconds())                              # no stop yet
     time.sleep(0.02)
     clock.stop()
     assert 0.015 < clock.seconds() < 1.0
