@@ -9,9 +9,9 @@ once through benchmarks/workload_train.py on 2 ranks, unshaped loopback, the met
 to back so that this machine's drift hits them alike. Every method gets the same budget of samples
 over the ranks; a balanced rank takes steps in proportion to its speed. Reported per seed: time to
 the workload's target (rank 0's evaluations at its epoch ends) and its ratio to ``none`` of the same
-seed, the final accuracy, and the fast rank's share of the steps. Compared: the plain average of the
-balanced ranks' models (``balance=1``) and FedNova's normalised one (``normalise=1``), the
-unbalanced ``adaptive`` and ``local:period=8``.
+seed, the final accuracy, and the fast rank's share of the steps. Compared: FedNova's normalised
+average of the balanced ranks' models (``balance=1``, the default) and the plain one
+(``normalise=0``), the unbalanced ``adaptive`` and ``local:period=8``.
 
 Writes benchmarks/results/balance.{json,md}.
 """
@@ -33,8 +33,8 @@ METHODS = [  # (label, workload_train.py arguments)
     ("none", ["--compression", "none"]),
     ("local:period=8", ["--sync", "local:period=8"]),
     ("adaptive", ["--sync", "adaptive:min=1,max=32"]),
-    ("adaptive:balance=1", ["--sync", "adaptive:min=1,max=32,balance=1"]),
-    ("adaptive:balance=1,normalise=1", ["--sync", "adaptive:min=1,max=32,balance=1,normalise=1"]),
+    ("adaptive:balance=1", ["--sync", "adaptive:min=1,max=32,balance=1"]),   # normalised (FedNova), the default
+    ("adaptive:balance=1,normalise=0", ["--sync", "adaptive:min=1,max=32,balance=1,normalise=0"]),
 ]
 
 

@@ -72,8 +72,8 @@ TECHNIQUES = [  # number, name, method label in the workload files, thesis claim
     ("6b", "technique 6 with speed-proportional local steps", "adaptive:min=1,max=32,balance=1",
      "(our extension) a fast rank should not wait for a slow one at a synchronous average",
      "`adaptive:balance=1` (`sync/balance.py`): each rank's local steps in proportion to its measured speed, "
-     "agreed at every sync; plain average, or FedNova's normalised one with `normalise=1` (Wang et al., "
-     "NeurIPS 2020)"),
+     "agreed at every sync; each rank's update weighed by its steps (FedNova, Wang et al., NeurIPS 2020), or "
+     "the plain average with `normalise=0`"),
 ]
 ABLATION = {2: "event:staleness=none"}
 THESIS_METHODS = {t[2] for t in TECHNIQUES} | set(ABLATION.values())

@@ -44,8 +44,9 @@ ADAPTIVE_OPTIONS = {
     "sync_buffers": LOCAL_OPTIONS["sync_buffers"],
     "balance": Option(bool, False, help="local steps in proportion to each rank's speed; the ranks "
                                         "stop together on global_steps() >= set_budget()"),
-    "normalise": Option(bool, False, help="with balance: weigh each rank's update by the steps it took (FedNova) "
-                                          "instead of the plain average"),
+    "normalise": Option(bool, None, help="with balance: weigh each rank's update by the steps it took (FedNova; "
+                                         "the default with balance=1: with the plain average the fast rank's extra "
+                                         "steps on skewed data pulled runs off); 0: the plain average"),
 }
 
 
@@ -75,12 +76,13 @@ class AdaptiveSync(LocalSGD):
 
     def __init__(self, optimizer, model, min_period: int = 1, max_period: int = 32, period: int = 0,
                  delta_hi: float = 1.0, delta_lo: float = 0.5, warmup: int = 0, sync_buffers: bool = True,
-                 warmup_steps: Optional[int] = None, balance: bool = False, normalise: bool = False):
+                 warmup_steps: Optional[int] = None, balance: bool = False, normalise: Optional[bool] = None):
         self.history = []
         self._setup(optimizer, model, dict(min_period=min_period, max_period=max_period, period=period,
                                            delta_hi=delta_hi, delta_lo=delta_lo,
                                            warmup=resolve_warmup("AdaptiveSync", warmup, warmup_steps),
-                                           sync_buffers=sync_buffers, balance=balance, normalise=normalise))
+                                           sync_buffers=sync_buffers, balance=balance,
+                                           **({} if normalise is None else {"normalise": normalise})))
         self.stats.extra["period_history"] = self.history
         self.budget: Optional[int] = None   # batches over all ranks (balance: set_budget)
         self.completed = 0                  # batches of the ranks together at the last sync (balance)
@@ -112,13 +114,13 @@ class AdaptiveSync(LocalSGD):
         if opts["normalise"] and not self.balance:
             raise ValueError("AdaptiveSync: bad value True for 'normalise': accepted: normalise=1 only with balance=1 "
                              "(without it every rank takes the same steps)")
-        self.normalise = opts["normalise"]
+        self.normalise = self.balance if opts["normalise"] is None else bool(opts["normalise"])
         self.last_delta = float("nan")
 
     def describe(self) -> str:
         return (f"adaptive:min={self.min_period},max={self.max_period},delta_lo={self.delta_lo},"
-                f"delta_hi={self.delta_hi},warmup={self.warmup}" + (",balance=1" if self.balance else "")
-                + (",normalise=1" if self.normalise else ""))
+                f"delta_hi={self.delta_hi},warmup={self.warmup}"
+                + ((",balance=1" + ("" if self.normalise else ",normalise=0")) if self.balance else ""))
 
     # ---- balance: local steps in proportion to speed ---------------------------------------
     def set_budget(self, batches: int) -> None:

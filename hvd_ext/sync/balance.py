@@ -15,16 +15,16 @@ sync every step as plain adaptive SGD does (at a high learning rate that is what
 so the slowest rank takes the period H, as without balance, and a faster rank the steps it can
 take in the same time: every rank reaches the sync at about the same time, and the sync comes
 as often in wall-clock time as before.
-The models are averaged as without balance, so the fast rank's extra steps count in full. With
-``normalise=1`` each rank's update is weighed by the steps it took instead (FedNova: Wang, Liu,
+Each rank's update is weighed by the steps it took (``normalise``, the default with balance; FedNova: Wang, Liu,
 Liang, Joshi, Poor, "Tackling the Objective Inconsistency Problem in Heterogeneous Federated
 Optimization", NeurIPS 2020), with equal weights per rank:
 
     x <- x0 + mean_i (mean_j H_j / H_i) (x_i - x0)
 
 where x0 is the model at the start of the round. FedNova removes the pull toward the fast rank's
-shard on non-IID data, at the price of scaling up the slow rank's noisier update;
-``benchmarks/results/balance.md`` compares the two.
+shard on non-IID data, at the price of scaling up the slow rank's noisier update; with the plain
+average (``normalise=0``) the fast rank's extra steps count in full, and on label-skewed shards runs
+collapsed at the peak learning rate. ``benchmarks/results/balance.md`` compares the two.
 
 Rule of consistency: the step counts come from an allreduced vector, so every rank computes the
 same plan and makes one average per round (the budgets are compared once, at the first step). A rank

@@ -177,8 +177,11 @@ def balance():
         no_budget = None
     except RuntimeError as e:
         no_budget = str(e)
+    plain = hvd_ext.AdaptiveSync(torch.optim.SGD(m.parameters(), lr=0.1), m, balance=True, normalise=False)
+    unbalanced = hvd_ext.AdaptiveSync(torch.optim.SGD(m.parameters(), lr=0.1), m)
+    defaults = [(s.normalise, s.describe().split("warmup=0")[1]) for s in (a0, plain, unbalanced)]
     a, m, rounds = balanced_run(120, (0.01, 0.03))
-    out = {"no_budget": no_budget, "steps": a.steps, "syncs": a.syncs, "global": a.global_steps(),
+    out = {"defaults": defaults, "no_budget": no_budget, "steps": a.steps, "syncs": a.syncs, "global": a.global_steps(),
            "completed": a.completed, "history": a.history, "spread": spread(m, "bal.final"),
            "plans": [r[3] for r in rounds], "total_steps": int(hvd.allreduce(torch.tensor(a.steps), op=hvd.Sum,
                                                                              name="bal.steps"))}
@@ -277,6 +280,9 @@ def check(c, out):
              all(s == n + f for s, n, f in a["flight"]) and any(f for *_, f in a["flight"])
              and all(n == s_prev for (s_prev, _, _), (_, n, _) in zip(a["flight"], a["flight"][1:])), a["flight"])
     b = out["balance"]
+    c.expect("balance: normalised (FedNova) by default, the plain average with normalise=0, neither without balance",
+             [list(d) for d in b["defaults"]] == [[True, ",balance=1"], [False, ",balance=1,normalise=0"], [False, ""]],
+             b["defaults"])
     c.expect("balance: a step before set_budget() raises, naming it", b["no_budget"] and "set_budget" in b["no_budget"],
              b["no_budget"])
     c.expect("balance: the budget reached at a sync, the agreed count equal to the ranks' steps together",
