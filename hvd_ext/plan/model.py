@@ -31,8 +31,9 @@ import torch
 from ..compression.base import Compressor
 from ..exchange import cost
 from ..exchange.core import frame_size
-from ..exchange.routes import codec_node_aware_reason, estimated_payload_bytes
+from ..exchange.routes import codec_node_aware_reason, estimated_payload_bytes, sparse_rs_payload
 from ..exchange.routes.twophase import segments
+from ..exchange.transport import split_sizes
 from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
 from ..spec import compression_from_spec
 
@@ -236,15 +237,17 @@ def tensor_payload(comp: Compressor, shape: tuple) -> float:
     return float(estimated_payload_bytes(comp, n))
 
 
-def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int) -> float:
+def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int = 1) -> float:
     """One rank's bytes for a bucket of tensors of ``shapes`` on ``route`` (over ``parts`` ranks):
     an allreduce carries the payloads bare; the allgather one frame (:func:`hvd_ext.exchange.core.frame_size`:
     flag, count and lengths ahead of the payloads); the two-phase route cuts the bucket into
     ``parts`` shards coded per segment (:func:`hvd_ext.exchange.routes.twophase.segments`), one
-    frame each, every frame with as many slots as the fullest shard. Sparse payloads on the sparse reduce-scatter depend on where the selected entries
-    fall: estimated from the ratio."""
+    frame each, every frame with as many slots as the fullest shard; the sparse reduce-scatter as
+    :func:`sparse_payload` (``local``: ranks per node, for its node-aware route)."""
     if comp.collective == "allreduce":
         return float(sum(tensor_payload(comp, s) for s in shapes))
+    if route.endswith("sparse_rs"):
+        return sparse_payload(comp, shapes, route, parts, local)
     if route.endswith("twophase") and parts > 1 and comp.wire_bytes(1) is not None:
         shards = segments([math.prod(s) for s in shapes], parts)
         width = max(len(shard) for shard in shards)  # every frame has as many slots (empty ones: 0 bytes)
@@ -255,13 +258,31 @@ def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: 
     return float(sum(tensor_payload(comp, s) for s in shapes))
 
 
+def sparse_payload(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int) -> float:
+    """The sparse reduce-scatter's bytes as a payload (:func:`hvd_ext.exchange.routes.sparse_rs_payload`):
+    flat, over the bucket's tensors; node-aware, over each of the ``local`` ranks' shard of the bucket
+    (its pieces of the tensors), the ranks' mean, as a whole bucket's payload (the node cost takes 1/L)."""
+    numels = [math.prod(s) for s in shapes]
+    if not route.startswith("node:"):
+        return sparse_rs_payload(comp, numels, parts)
+    edges = [0]
+    for n in numels:
+        edges.append(edges[-1] + n)
+    per_shard, a = [], 0
+    for sz in split_sizes(edges[-1], local):
+        pieces = [min(hi, a + sz) - max(lo, a) for lo, hi in zip(edges, edges[1:])]
+        per_shard.append(sparse_rs_payload(comp, [p for p in pieces if p > 0], parts))
+        a += sz
+    return local * sum(per_shard) / len(per_shard)
+
+
 def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Sequence[tuple]],
                 c: Cluster) -> List[BucketCost]:
     costs = []
     parts = c.nodes if route.startswith("node:") else c.size
     for shapes in buckets:
         n = numel_of(shapes)
-        payload = payload_bytes(comp, shapes, route, parts)
+        payload = payload_bytes(comp, shapes, route, parts, c.local)
         enc = dec = codec_seconds(spec, n, c)
         if route.startswith("node:"):
             costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c))

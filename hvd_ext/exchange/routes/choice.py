@@ -9,14 +9,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
+import torch
+
+from ...compression._sparse import count_for
 from ...compression.base import HIERARCHY_CHOICES, ROUTE_CHOICES, Compressor
 from .. import cost
 from ..core import Exchange
 from ..probe import node_links_setting
 from ..transport import NodeGroupsUnavailable, horovod_elastic
 from .base import NODE_PREFIX
+from .sparse_rs import expected_wire
 
 _warned = set()
 
@@ -32,6 +36,19 @@ def estimated_payload_bytes(comp: Compressor, numel: int) -> float:
         return math.ceil(ratio * numel) * (vb + 2)
     bits = float(getattr(comp, "bits", 0) or getattr(comp, "budget", 0) or 8)
     return numel * bits / 8.0
+
+
+def sparse_rs_payload(comp: Compressor, numels: Sequence[int], size: int) -> float:
+    """The payload whose two-phase bytes (:func:`hvd_ext.exchange.cost.route_wire_and_code`) are the
+    sparse reduce-scatter's for a bucket of tensors of ``numels`` elements over ``size`` ranks
+    (:func:`.sparse_rs.expected_wire`; k from the codec's ratio, per tensor or over the bucket as it
+    selects), so the planner and ``auto`` account this route as it sends."""
+    ratio = float(getattr(comp, "ratio", 0.01))
+    total = int(sum(numels))
+    over_bucket = getattr(comp, "bucket_flat", False)
+    k = count_for(ratio, total) if over_bucket else sum(count_for(ratio, int(n)) for n in numels)
+    wire = expected_wire(total, k, size, getattr(comp, "value_dtype", torch.float32))
+    return wire * size / (2.0 * (size - 1)) if size > 1 else 0.0
 
 
 def node_aware_reason(comp: Compressor, exchange: Optional[Exchange]) -> Optional[str]:

@@ -14,7 +14,8 @@ received per rank -- route each pair to the owner of its index range:
    about k) and remembers the rest; one ``allgather`` of the owners'
    selections gives every rank the same sparse sum.
 
-Received per rank: about k pairs in each phase, flat in N.
+Received per rank: about k pairs in each phase, flat in N. :func:`expected_wire` gives the bytes
+a rank counts when the entries fall evenly (the planner and ``compression="auto"`` predict with it).
 
 Rebalancing: the owner ranges start equal. Every ``REBALANCE_EVERY`` steps,
 if the entries of the (identical) global result fall unevenly on the owners
@@ -39,6 +40,7 @@ import torch
 from ...compression.base import from_bytes
 from ...ops.device import compact, in_range, read, upload
 from ...ops.select import FP16_MAX, topk_indices
+from ..core import frame_size
 from ..transport import offsets, split_sizes
 from .base import OwnerMemory, Route, register
 
@@ -53,6 +55,22 @@ def _index_dtype(span: int) -> torch.dtype:
 def pair_bytes(span: int, value_dtype: torch.dtype) -> int:
     """Bytes of one (value, index) pair for an owner range of ``span`` entries."""
     return (2 if value_dtype == torch.float16 else 4) + (2 if _index_dtype(span) == torch.int16 else 4)
+
+
+def expected_wire(total: int, k: float, size: int, value_dtype: torch.dtype) -> float:
+    """Bytes one rank counts on the wire per step for a bucket of ``total`` entries of which every rank
+    selects ``k``, when they fall evenly on the even owner ranges (the ranks' mean): phase 1 sends
+    k/N pairs to each other owner (``value_dtype`` values, indices 16 or 32 bits by the range's span);
+    phase 2 gathers every other owner's ceil(k/N) float32 pairs; one frame per message. Where the
+    entries fall unevenly the alltoall counts the larger of sent and received, so a rank counts more."""
+    N = size
+    if N < 2:
+        return 0.0
+    spans = split_sizes(total, N)
+    frame = frame_size([0])  # a frame of one payload: header + length, then the payload's bytes
+    phase1 = sum(k / N * pair_bytes(s, value_dtype) for s in spans)
+    phase2 = sum(math.ceil(k / N) * pair_bytes(s, torch.float32) for s in spans)
+    return (N - 1) * 2 * frame + (N - 1) / N * (phase1 + phase2)
 
 
 def encode_pairs(idx: torch.Tensor, vals: torch.Tensor, span: int, value_dtype: torch.dtype) -> torch.Tensor:

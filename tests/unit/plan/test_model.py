@@ -19,15 +19,16 @@ def grads(size, steps=2):
             for _ in range(steps)]
 
 
-def predicted_wire(spec, route, size):
-    p = plan(SHAPES, compute_s=0.0, cluster=None, nodes=1, gpus_per_node=size, device="cpu", methods=[spec],
+def predicted_wire(spec, route, size, shapes=SHAPES):
+    p = plan(shapes, compute_s=0.0, cluster=None, nodes=1, gpus_per_node=size, device="cpu", methods=[spec],
              intra=LinkModel(), breakeven_search=False)
     return p.row(spec, route).wire
 
 
 # (spec, planner route, relative tolerance): payload sizes that follow from the shapes are exact
 # (a few bytes of the non-finite flag's allreduce aside); the two-phase owner frames are within 1%;
-# the sparse reduce-scatter's shard payloads depend on where the selected entries fall.
+# the sparse reduce-scatter's pairs depend on where the selected entries fall (random gradients
+# spread them evenly, as its model assumes).
 CASES = [
     ("fp16", "allreduce", 0.0),
     ("powersgd:rank=2,warmup=0", "allreduce", 0.0),
@@ -35,7 +36,7 @@ CASES = [
     ("efsignsgd:exchange=allgather", "allgather", 0.0),
     ("qsgd:bits=4,exchange=twophase", "twophase", 0.005),
     ("efsignsgd:exchange=twophase", "twophase", 0.005),
-    ("topk:ratio=0.01,exchange=twophase", "sparse_rs", 0.25),
+    ("topk:ratio=0.01,exchange=twophase", "sparse_rs", 0.05),
 ]
 
 
@@ -49,6 +50,17 @@ def test_wire_bytes_match_the_pipeline_on_a_simulated_world(case, size):
     assert {r.routes[-1] for r in runs} == {route}
     measured = statistics.mean(r.wire[-1] for r in runs)  # the model is the ranks' average
     assert predicted_wire(spec, route, size) == pytest.approx(measured, rel=tol, abs=16)
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01,exchange=twophase", "topk:ratio=0.01,values=fp16,exchange=twophase"])
+def test_sparse_reduce_scatter_bytes_follow_its_index_width(spec):
+    # owner ranges wider than 65536 entries carry 32-bit indices (phase 2: float32 values too)
+    shapes = [(320, 512), (320,)]
+    g = torch.Generator().manual_seed(1)
+    grads = [[{f"p{i}": torch.randn(s, generator=g) for i, s in enumerate(shapes)} for _ in range(2)]]
+    runs = run_pipeline(spec, grads, 2)
+    measured = statistics.mean(r.wire[-1] for r in runs)
+    assert predicted_wire(spec, "sparse_rs", 2, shapes) == pytest.approx(measured, rel=0.05)
 
 
 def test_step_overlaps_exchange_with_backward():
