@@ -14,7 +14,8 @@ For each (N, rate) one job (``horovodrun --gloo`` in a shaped namespace, ``scrip
    right after that step (``busy_lat_by_kind``: waiting for the slowest rank and, with ranks
    sharing cores, for the scheduler);
 2. the methods take turns, ``--rounds`` rounds of ``--steps`` steps (as ``overhead.py``), so this
-   machine's drift hits them alike; measured: median ms/step, bytes sent per rank per step;
+   machine's drift hits them alike; measured: median ms/step, bytes sent per rank per step; the
+   step without any exchange takes its turns too, against the calibrated compute time;
 3. ``hvd_ext.plan.plan`` predicts every method from that calibration, on the route the job took;
    reported: predicted / measured step time per method, its median and spread over the methods,
    and the wire bytes ratio (the wire bytes hvd_ext's exchange counted; Horovod's: the ring's).
@@ -86,6 +87,7 @@ def worker(args) -> None:
     cal = measure(methods=[m for m in METHODS if not m.startswith("horovod")], step=lambda: step(floor),
                   steps=args.steps)
     runs = {m: make(m) for m in METHODS}
+    runs["compute"] = floor  # the step without any exchange, timed in the same turns (a reference)
     def wire(run):  # modelled wire bytes this rank sent so far (hvd_ext's exchange counts them)
         return sum(run[1].stats.extra.get("wire_by_link", {}).values()) if hasattr(run[1], "stats") else 0.0
 
@@ -107,6 +109,7 @@ def worker(args) -> None:
         else:  # Horovod's ring allreduce: 2(N-1)/N of the (fp16: half) dense gradient per rank
             sent = 2.0 * (N - 1) / N * dense * (0.5 if m.endswith("fp16") else 1.0)
         measured[m] = {"step_s": t, "bytes_sent": sent}
+    floor_s = measured.pop("compute")["step_s"]
     specs = [m for m in METHODS if not m.startswith("horovod")]
     p = plan(model, compute_s=cal["compute_s"], cluster=None, nodes=cal["nodes"], gpus_per_node=cal["local"],
              device="cpu", methods=specs, calibration=cal, breakeven_search=False)
@@ -123,7 +126,8 @@ def worker(args) -> None:
                          "measured_bytes": measured[m]["bytes_sent"], "predicted_bytes": pr.wire,
                          "bytes_ratio": pr.wire / max(measured[m]["bytes_sent"], 1.0)})
         Path(args.worker_out).write_text(json.dumps({"ranks": N, "calibration": cal, "rows": rows,
-                                                     "params": int(dense / 4)}, indent=1))
+                                                     "params": int(dense / 4),
+                                                     "compute_in_turns_s": floor_s}, indent=1))
 
 
 def main(argv=None):
@@ -180,15 +184,19 @@ def render(doc) -> str:
             lines.append(f"| {res['ranks']} | {res['rate']} | `{row['method']}` | {row['route']} | "
                          f"{row['measured_step_ms']:.2f} | {row['predicted_step_ms']:.2f} | "
                          f"{row['step_ratio']:.2f} | {row['bytes_ratio']:.2f} |")
-    lines += ["", "Per world, step time predicted / measured over the five methods, and whether the "
-              "planner ranks the fastest method first:", "",
-              "| ranks | link | median | min | max | fastest measured | fastest predicted |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "Per world, step time predicted / measured over the five methods, whether the "
+              "planner ranks the fastest method first, and the step without any exchange: calibrated "
+              "(the planner's compute time) and timed in the same turns as the methods:", "",
+              "| ranks | link | median | min | max | fastest measured | fastest predicted | compute ms: "
+              "calibrated | in turns |", "|---|---|---|---|---|---|---|---|---|"]
     for res in doc["results"]:
         r = [row["step_ratio"] for row in res["rows"]]
         fm = min(res["rows"], key=lambda row: row["measured_step_ms"])["method"]
         fp = min(res["rows"], key=lambda row: row["predicted_step_ms"])["method"]
+        turns = res.get("compute_in_turns_s")
         lines.append(f"| {res['ranks']} | {res['rate']} | {statistics.median(r):.2f} | {min(r):.2f} | {max(r):.2f} "
-                     f"| `{fm}` | `{fp}` |")
+                     f"| `{fm}` | `{fp}` | {res['calibration'].get('compute_s', 0) * 1e3:.1f} | "
+                     + (f"{turns * 1e3:.1f} |" if turns is not None else "- |"))
     allr = [row["step_ratio"] for res in doc["results"] for row in res["rows"]]
     if allr:
         lines += ["", f"Step time, predicted / measured, all rows: median {statistics.median(allr):.2f}, "

@@ -13,12 +13,12 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
 * **codec speed** -- every listed spec (and ``auto``'s candidates) compresses and decodes a small
   (16k elements) and a ``codec_numel``-element gradient on this rank's device (CUDA when there is
   one), CUDA events around the work: a fixed cost per pass and elements per second, the ranks' mean;
-* **compute** -- only when a ``step`` callable is given to :func:`measure` (the API): the median of
-  its timed calls, the ranks starting each call together; and then also each kind of collective
-  **in a step** (``busy_lat_by_kind``): a
-  small allreduce, allgather and alltoall timed right after every rank ran ``step`` -- what a
-  collective costs in training, where it waits for the slowest rank's compute and, when ranks share
-  cores, for the scheduler to run every rank's part in turn. The planner uses these when present;
+* **compute** -- only when a ``step`` callable is given to :func:`measure` (the API): its seconds
+  per call in runs of calls back to back, as training runs them (:func:`_measure_compute`); and
+  then also each kind of collective **in a step** (``busy_lat_by_kind``): a small allreduce,
+  allgather and alltoall timed right after every rank ran ``step`` -- what a collective costs in
+  training, where it waits for the slowest rank's compute and, when ranks share cores, for the
+  scheduler to run every rank's part in turn. The planner uses these when present;
 * **Horovod's own allreduce** -- only where hvd_ext waits otherwise than Horovod (ranks share cores:
   :mod:`hvd_ext.exchange.waiting`): the flat allreduce again, waited for by Horovod's spinning
   ``synchronize``, for the planner's Horovod rows; and always Horovod's float16 allreduce, which
@@ -147,18 +147,21 @@ def _measure_links(job: _Job) -> tuple:
     return links, nodes, local
 
 
-def _measure_compute(job: _Job, step: Callable[[], Any], steps: int) -> float:
-    """The ranks' mean of the median seconds of ``step`` (the first call left out). The ranks start every
-    step together, as training's collectives make them: where they share cores, each then computes
-    while the others do (a rank that finished early would otherwise leave them its core)."""
-    times = []
+def _measure_compute(job: _Job, step: Callable[[], Any], steps: int, runs: int = 3) -> float:
+    """The ranks' mean of the median, over ``runs`` runs, of the seconds per ``step`` in a run of
+    ``steps`` calls back to back, as training runs them: the ranks start each run together, and
+    the collective library's own threads (Horovod's background loop coordinates every cycle) run
+    beside them, which takes a share of the cores where ranks share them. The first call is left out."""
     tick = torch.zeros(1, device=job.device)
-    for _ in range(steps):
-        job.allreduce(tick, "hvd_ext.calibrate.compute.start")
+    job.run_step(step)
+    per_step = []
+    for r in range(runs):
+        job.allreduce(tick, f"hvd_ext.calibrate.compute.start.{r}")
         t0 = time.perf_counter()
-        job.run_step(step)
-        times.append(time.perf_counter() - t0)
-    return job.mean([statistics.median(times[1:] or times)])[0]
+        for _ in range(steps):
+            job.run_step(step)
+        per_step.append((time.perf_counter() - t0) / steps)
+    return job.mean([statistics.median(per_step)])[0]
 
 
 def _measure_busy_latency(job: _Job, step: Callable[[], Any], steps: int, tag: str = "busy",

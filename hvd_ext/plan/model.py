@@ -38,8 +38,17 @@ from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
 from ..spec import compression_from_spec
 
 HOROVOD_FUSION_BYTES = 64 * 1024 * 1024  # HOROVOD_FUSION_THRESHOLD's default
+# the collectives each route runs per bucket: a gather of payloads whose sizes the receivers cannot know
+# travels by an alltoall (:meth:`hvd_ext.exchange.core.Exchange.start_allgather`), as the sparse
+# reduce-scatter's second phase always does
 ROUTE_COLLECTIVES = {"allreduce": ("allreduce",), "allgather": ("allgather",),
-                     "twophase": ("alltoall", "allgather"), "sparse_rs": ("alltoall", "allgather")}
+                     "twophase": ("alltoall", "allgather"), "sparse_rs": ("alltoall", "alltoall")}
+
+
+def route_collectives(kind: str, sizes_known: bool = True) -> tuple:
+    """The collectives of ``kind`` per bucket; an allgather of unknown sizes is an alltoall."""
+    kinds = ROUTE_COLLECTIVES[kind]
+    return kinds if sizes_known else tuple("alltoall" if k == "allgather" else k for k in kinds)
 
 
 @dataclass
@@ -115,7 +124,8 @@ def codec_seconds(spec: str, numel: int, cluster: Cluster) -> float:
     return 0.0 if math.isinf(speed) else fixed + numel / speed
 
 
-def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: Cluster) -> BucketCost:
+def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
+              sizes_known: bool = True) -> BucketCost:
     N, L = c.size, c.local
     wire, code = cost.route_wire_and_code(kind, N, payload, enc, dec)
     base = "twophase" if kind == "sparse_rs" else kind
@@ -124,7 +134,7 @@ def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: 
     link = c.link()
     lat = messages * link.alpha
     if c.collective_lat:
-        lat = sum(c.collective_lat[k] for k in ROUTE_COLLECTIVES[kind])
+        lat = sum(c.collective_lat[k] for k in route_collectives(kind, sizes_known))
     return BucketCost(numel, wire, nic, lat, code, lat + nic / link.bandwidth)
 
 
@@ -287,7 +297,8 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
         if route.startswith("node:"):
             costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c))
         else:
-            costs.append(flat_cost(route, n, payload, enc, dec, c))
+            known = all(comp.wire_bytes(math.prod(s)) is not None for s in shapes)
+            costs.append(flat_cost(route, n, payload, enc, dec, c, known))
     return costs
 
 
