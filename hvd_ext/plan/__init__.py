@@ -19,11 +19,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
-from ..auto import AUTO_OPTIONS, DEFAULT_CANDIDATES, most_accurate_within
+from ..auto import AUTO_OPTIONS, DEFAULT_CANDIDATES, AutoCompression, most_accurate_within
 from ..exchange import cost
 from ..optimizer import DEFAULT_BUCKET_BYTES
+from ..spec import compression_from_spec
 from . import presets
-from .model import Cluster, Row, check_optimizer, codec_rows, horovod_rows, make_row, numel_of
+from .model import Cluster, Row, bind_like, check_optimizer, codec_rows, horovod_rows, make_row, numel_of
 
 DEFAULT_METHODS = ("fp16", "qsgd:bits=8", "qsgd:bits=4", "topk:ratio=0.01", "efsignsgd", "powersgd:rank=4",
                    "qdist:bits=3")
@@ -132,14 +133,19 @@ def tensor_shapes(model: Union[int, Sequence[int], Any]) -> List[tuple]:
 
 
 def auto_row(shapes: Sequence[tuple], compute_s: float, c: Cluster, bucket_bytes: int,
-             candidates: Sequence[str] = DEFAULT_CANDIDATES) -> tuple:
-    """What ``auto`` would pick per bucket: each candidate on its fastest route, then the most
-    accurate within ``slack`` of the fastest's share of the step (the rule of
-    :meth:`hvd_ext.auto.AutoTuner._choose`). Assumes every lossy candidate passes the accuracy guard
-    (that verdict depends on the gradients)."""
+             candidates: Sequence[str] = DEFAULT_CANDIDATES, optimizer: str = "sgd") -> tuple:
+    """What ``auto`` would pick per bucket: each candidate it allows under ``optimizer`` (as
+    :meth:`hvd_ext.auto.AutoCompression.allowed`: no memory under a live second moment, no codec that
+    compresses the momentum under momentum SGD) on its fastest route, then the most accurate within
+    ``slack`` of the fastest's share of the step (the rule of :meth:`hvd_ext.auto.AutoTuner._choose`).
+    Assumes every allowed candidate passes the accuracy guard (that verdict depends on the gradients)."""
+    auto = AutoCompression([(s, compression_from_spec(s)) for s in candidates])
+    bind_like(auto, optimizer)
+    candidates = [s for i, s in enumerate(auto.candidate_specs) if auto.allowed(i)]
     per_cand = []
     for spec in candidates:
-        best = min((r for r in codec_rows(spec, shapes, compute_s, c, bucket_bytes)), key=lambda r: r.exchange_s)
+        best = min((r for r in codec_rows(spec, shapes, compute_s, c, bucket_bytes, optimizer)),
+                   key=lambda r: r.exchange_s)
         per_cand.append(best)
     nb = len(per_cand[0].buckets)
     slack = AUTO_OPTIONS["slack"].default
@@ -225,7 +231,7 @@ def predict_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster, methods:
         rows += codec_rows(spec, shapes, compute_s, c, bucket_bytes, optimizer)
     picks = {}
     if with_auto:
-        r, picks = auto_row(shapes, compute_s, c, bucket_bytes)
+        r, picks = auto_row(shapes, compute_s, c, bucket_bytes, optimizer=optimizer)
         rows.append(r)
     return rows, picks
 

@@ -10,7 +10,7 @@ import torch
 
 from hvd_ext.exchange import calibration
 from hvd_ext.exchange.cost import LinkModel
-from hvd_ext.plan import PAYS, plan, tensor_shapes
+from hvd_ext.plan import PAYS, auto_row, plan, tensor_shapes
 from hvd_ext.plan.presets import CLUSTERS, GBIT, MODELS
 
 
@@ -29,6 +29,19 @@ def test_compression_pays_on_a_slow_link_and_not_on_a_fast_one():
     # auto picks a compressed codec on the slow link and the dense one on the fast link
     assert not any(k.startswith("none") for k in slow.auto_pick), slow.auto_pick
     assert all(k.startswith(("none", "fp16")) for k in fast.auto_pick), fast.auto_pick
+
+
+@pytest.mark.parametrize("codec,refused_under", [("signum", "sgd"), ("efsignsgd", "adam")])
+def test_auto_row_leaves_out_what_auto_refuses_under_the_optimizer(codec, refused_under):
+    """auto allows no codec that compresses the momentum under momentum SGD (signum), nor one with a
+    memory under Adam's live second moment (efsignsgd): on a slow link, where the planner's auto row
+    picks them unbound, it keeps to ``none`` under the optimizer that refuses them."""
+    p = plan(25_600_000, compute_s=0.1, cluster=None, nodes=1, gpus_per_node=8, device="a100",
+             intra=LinkModel(alpha=30e-6, bandwidth=1 * GBIT), breakeven_search=False)
+    picks = {o: auto_row(p.shapes, p.compute_s, p.cluster, p.bucket_bytes, candidates=("none", codec),
+                         optimizer=o)[1] for o in ("none", refused_under)}
+    assert all(k.startswith(codec) for k in picks["none"]), picks
+    assert picks[refused_under] and all(k.startswith("none") for k in picks[refused_under]), picks
 
 
 def test_breakeven_bandwidth_separates_paying_from_not():
