@@ -436,41 +436,41 @@ class GradientPipeline:
 
     # ---- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        return {"step": self.step, "feedback": self.feedback.state_dict(),
-                "compressor": self.compressor.state_dict(), "owner": self.owner_memory.state_dict(),
-                "routes": self.routes, "spec": self.compressor.spec(),
-                **{p.key: p.state_dict() for p in self.policies if p.key}}
+        return {**self._state(shared=False), "spec": self.compressor.spec()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.set_step(int(state.get("step", 0)))
-        self.feedback.load_state_dict(state.get("feedback", {}))
-        self.compressor.load_state_dict(state.get("compressor", {}))
-        for p in self.policies:
-            if p.key:
-                p.load_state_dict(state.get(p.key) or {})
-        # Owner memories belong to this world's layout; a checkpoint from another layout drops them.
-        if list(state.get("routes", self.routes)) == self.routes:
-            self.owner_memory.load_state_dict(state.get("owner", {}))
-        else:
-            self.owner_memory.load_state_dict({})
+        self._load_state(state, shared=False)
 
     def shared_state_dict(self) -> Dict[str, Any]:
         """What a rank resuming behind the others takes from the most advanced one: everything every
         rank must hold alike (step, codec state, the policies' decisions, sparse reduce-scatter's owner
         ranges, the feedback's shared entries); never an error memory, which is each rank's own."""
-        return {"step": self.step, "compressor": self.compressor.state_dict(), "routes": self.routes,
-                "feedback": self.feedback.shared_state_dict(), "owner": self.owner_memory.shared_state_dict(),
-                **{p.key: p.shared_state_dict() for p in self.policies if p.key}}
+        return self._state(shared=True)
 
     def load_shared_state_dict(self, state: Dict[str, Any]) -> None:
-        self.set_step(int(state["step"]))
-        self.compressor.load_state_dict(state["compressor"])
-        self.feedback.load_shared_state_dict(state["feedback"])
+        self._load_state(state, shared=True)
+
+    def _state(self, shared: bool) -> Dict[str, Any]:
+        """The checkpoint (``shared``: only what every rank holds alike) of the step, the codec, the
+        feedback, the owner memories and every policy with a key."""
+        part = (lambda x: x.shared_state_dict()) if shared else (lambda x: x.state_dict())
+        return {"step": self.step, "compressor": self.compressor.state_dict(), "routes": self.routes,
+                "feedback": part(self.feedback), "owner": part(self.owner_memory),
+                **{p.key: part(p) for p in self.policies if p.key}}
+
+    def _load_state(self, state: Dict[str, Any], shared: bool) -> None:
+        self.set_step(int(state.get("step", 0)))
+        self.compressor.load_state_dict(state.get("compressor", {}))
+        load = (lambda x, sd: x.load_shared_state_dict(sd)) if shared else (lambda x, sd: x.load_state_dict(sd))
+        load(self.feedback, state.get("feedback", {}))
         for p in self.policies:
             if p.key:
-                p.load_shared_state_dict(state.get(p.key) or {})
-        if list(state["routes"]) == self.routes:
-            self.owner_memory.load_shared_state_dict(state["owner"])
+                load(p, state.get(p.key) or {})
+        # Owner memories belong to this world's layout; a checkpoint from another layout drops them.
+        if list(state.get("routes", self.routes)) == self.routes:
+            load(self.owner_memory, state.get("owner", {}))
+        elif not shared:
+            self.owner_memory.load_state_dict({})
 
 
 def finish_together(pipes: List[GradientPipeline]) -> bool:

@@ -47,6 +47,7 @@ from ..ops.device import on_host
 from ..options import Option, non_negative
 from ..ops import cpu_kernels as _cpu
 from ._quant import chunk_means, chunks, expand_chunks
+from ..feedback.base import give_back_momentum
 from .base import Compressor, as_bytes, from_bytes, register
 from ..ops.bits import packed_bytes
 
@@ -227,12 +228,7 @@ class MajorityVote(Compressor):
         if opt is None or held is None or len(held) != len(opt.param_groups):
             return
         self._checked_step = None
-        if any(float(g.get("momentum", 0) or 0) for g in opt.param_groups):
-            return   # the optimizer has it already (a checkpoint restored in a bypassed phase)
-        for g, m in zip(opt.param_groups, held):
-            g["momentum"] = m
-            for p in g["params"]:
-                opt.state.get(p, {}).pop("momentum_buffer", None)
+        give_back_momentum(opt, held)
 
     def _vector(self, tensor, info):
         if self._optimizer is not None and info.step != self._checked_step:

@@ -15,7 +15,7 @@ The memory is part of the optimizer ``state_dict()``.
 from __future__ import annotations
 
 import warnings
-from typing import Any, ClassVar, Dict, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -97,14 +97,43 @@ class Feedback:
     def shared_state_dict(self) -> Dict[str, Any]:
         """The memory entries a rank resuming behind the others takes from the most advanced one
         (the optimizer's state agreement): those ``is_shared`` names."""
-        return {"memory": {k: v.clone() for k, v in self.memory.items() if self.is_shared(k)}}
+        return {"memory": shared_entries(self.memory, self.is_shared)}
 
     def load_shared_state_dict(self, state: Dict[str, Any]) -> None:
         """Take ``state``'s shared entries (only those ``is_shared`` names); this rank's own memory
         (its error memories) stays."""
-        own = {k: v for k, v in self.memory.items() if not self.is_shared(k)}
-        got = {k: v for k, v in state.get("memory", {}).items() if self.is_shared(k)}
-        self.load_state_dict({"memory": {**own, **got}})
+        self.load_state_dict({"memory": with_shared(self.memory, state.get("memory", {}), self.is_shared)})
+
+
+def shared_entries(memory: Dict[str, torch.Tensor], is_shared: Callable[[str], bool]) -> Dict[str, torch.Tensor]:
+    """Copies of ``memory``'s entries that every rank holds alike (``is_shared`` keys)."""
+    return {k: v.clone() for k, v in memory.items() if is_shared(k)}
+
+
+def with_shared(mine: Dict[str, torch.Tensor], theirs: Dict[str, torch.Tensor],
+                is_shared: Callable[[str], bool]) -> Dict[str, torch.Tensor]:
+    """This rank's own entries of ``mine`` with the shared entries of ``theirs`` (a resume's agreement:
+    what every rank holds alike comes from the most advanced rank; error memories stay each rank's)."""
+    return {**{k: v for k, v in mine.items() if not is_shared(k)},
+            **{k: v for k, v in (theirs or {}).items() if is_shared(k)}}
+
+
+def give_back_momentum(opt, momenta: Sequence[float], adam: bool = False, decay: float = 0.0) -> None:
+    """Give each parameter group of ``opt`` back the momentum (Adam: beta1) a takeover held for it,
+    and ``decay`` as its weight decay, and drop its stale momentum buffers; nothing when the optimizer
+    has a momentum already (a checkpoint restored it while the takeover was bypassed)."""
+    groups = opt.param_groups
+    if any(float(g["betas"][0] if adam else (g.get("momentum", 0) or 0)) for g in groups):
+        return
+    for g, m in zip(groups, momenta):
+        if adam:
+            g["betas"] = (m, g["betas"][1])
+            continue
+        g["momentum"] = m
+        if decay:
+            g["weight_decay"] = decay
+        for p in g["params"]:
+            opt.state.get(p, {}).pop("momentum_buffer", None)
 
 
 def group_values(groups, key: str) -> set:
@@ -293,18 +322,7 @@ class MomentumTakeover:
             return
         decay, self._held_momentum, self._held_decay = self._held_decay, None, 0.0
         self._checked_step = None
-        groups = opt.param_groups
-        if any(float(g["betas"][0] if self._adam else (g.get("momentum", 0) or 0)) for g in groups):
-            return   # the optimizer has it already (a checkpoint restored in a bypassed phase)
-        for g in groups:
-            if self._adam:
-                g["betas"] = (m, g["betas"][1])
-                continue
-            g["momentum"] = m
-            if decay:
-                g["weight_decay"] = decay
-            for p in g["params"]:
-                opt.state.get(p, {}).pop("momentum_buffer", None)
+        give_back_momentum(opt, [m] * len(opt.param_groups), self._adam, decay)
 
     def _check_optimizer(self, info) -> None:
         if self._optimizer is not None:

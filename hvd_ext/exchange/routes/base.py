@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ...compression.base import Compressor, TensorInfo
+from ...feedback.base import shared_entries, with_shared
 from ..core import Exchange
 
 
@@ -90,13 +91,15 @@ class OwnerMemory:
         self.memory = {k: v.clone() for k, v in (sd or {}).items()}
         self._staged = {}
 
+    def is_shared(self, key: str) -> bool:
+        return key.endswith(self.SHARED_SUFFIX)
+
     def shared_state_dict(self) -> Dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.memory.items() if k.endswith(self.SHARED_SUFFIX)}
+        return shared_entries(self.memory, self.is_shared)
 
     def load_shared_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
         """Take ``sd``'s shared entries (replacing this rank's); its residuals stay."""
-        own = {k: v for k, v in self.memory.items() if not k.endswith(self.SHARED_SUFFIX)}
-        self.load_state_dict({**own, **{k: v for k, v in (sd or {}).items() if k.endswith(self.SHARED_SUFFIX)}})
+        self.load_state_dict(with_shared(self.memory, sd, self.is_shared))
 
 
 def known_sizes(comp: Compressor, infos: List[TensorInfo], payloads: List[torch.Tensor],
