@@ -1,6 +1,6 @@
 """Sync strategies on real ranks: LocalSGD, AdaptiveSync, ParameterServer, EventTriggeredSGD.
 
-4 launches in all (one Gloo worker, one MPI worker, one killed + one resumed run of the main job),
+5 launches in all (two Gloo workers, one MPI worker, one killed + one resumed run of the main job),
 each with a timeout. The workers check each rank in-process as named checks; the tests assert them
 and compare the ranks. The in-process unit tests are in tests/unit/sync/."""
 import json
@@ -49,6 +49,18 @@ def test_adaptive_balance_steps_in_proportion_to_speed(local_checks):
     # the same decisions (divergence, period, plan) at every sync; the histories' own step counts differ
     assert fast["syncs"] == slow["syncs"] and fast["plans"] == slow["plans"]
     assert [h[1:] for h in fast["history"]] == [h[1:] for h in slow["history"]]
+
+
+def test_adaptive_and_balance_on_three_ranks_of_three_speeds():
+    """The decision in flight, a checkpoint on rank 0 alone, the plans and the normalised average
+    with 3 ranks: every rank decides the same periods and plans."""
+    runs = launch("sync_adaptive_ranks3.py", np=3, launcher="gloo", timeout=240)
+    assert_checks(runs)
+    first = runs[0]
+    for r in runs[1:]:
+        assert r["adaptive3"]["history"] == first["adaptive3"]["history"]
+        assert r["balance3"]["plans"] == first["balance3"]["plans"] and r["balance3"]["syncs"] == first["balance3"]["syncs"]
+        assert [h[1:] for h in r["balance3"]["history"]] == [h[1:] for h in first["balance3"]["history"]]
 
 
 def test_finite_average_flag_travels_with_the_tensors(local_checks):
