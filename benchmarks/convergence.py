@@ -108,6 +108,7 @@ def main(argv=None):
     common.add_load_option(p)
     a = p.parse_args(argv)
     common.refuse_if_loaded(a)
+    a.machine = common.machine_info()  # with the load at the start, before our own ranks add to it
     if a.summary:
         sys.path.insert(0, str(ROOT))
         write_summary()
@@ -158,7 +159,7 @@ def main(argv=None):
         old = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
         old.update({r["method"]: r for r in rows})
         rows = [old[r[0]] for r in RECIPES if r[0] in old]
-    doc = {"machine": common.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "ranks": a.ranks,
+    doc = {"machine": a.machine, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "ranks": a.ranks,
            "rows": rows}
     common.write_json(out.with_suffix(".json"), doc)
     out.with_suffix(".md").write_text(markdown(doc))
@@ -255,7 +256,7 @@ def run_workload(a) -> int:
         meta_prev = {}
     info = meta or meta_prev
     doc = {"title": f"Convergence on workload `{w.name}`", "workload": w.name, "workload_info": info,
-           "machine": common.machine_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "ranks": a.ranks,
+           "machine": a.machine, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "ranks": a.ranks,
            "command": f"python benchmarks/convergence.py --workload {w.name}"
            + (f" --ranks {a.ranks}" if a.ranks != 2 else "") + (f" --tag {a.tag}" if a.tag else "")
            + (f" --extra='{a.extra}'" if a.extra else ""),
