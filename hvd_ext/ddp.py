@@ -17,6 +17,10 @@ DDP bucket index (load before the first backward: the pipelines are made at thei
 call). A pipeline orders its parameters by name, not by DDP's buffer, so DDP's rebuild of its
 buckets after the first iteration keeps a bucket's pipeline when the bucket keeps its parameters.
 
+Momentum. A codec that applies momentum itself (dgc's momentum correction, Signum) cannot take the
+optimizer's momentum over here, as ``DistributedOptimizer`` does: the hook sees no optimizer. The
+hook warns at construction; create the optimizer with ``momentum=0``.
+
 Agreement. At the first bucket every rank's spec, bucket layout and dtypes are compared in one
 allgather: a rank configured differently raises ``ValueError`` on every rank, naming the
 difference. A non-finite gradient on any rank is known to every rank (the exchange carries the
@@ -41,6 +45,7 @@ and the spec alone, so every rank takes it alike.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -58,7 +63,13 @@ class HookState:
     """The hook's state: the spec, the exchange over ``process_group``, one pipeline per DDP bucket."""
 
     def __init__(self, spec: str, process_group=None):
-        compression_from_spec(spec)  # a bad spec fails here, before any collective
+        comp = compression_from_spec(spec)  # a bad spec fails here, before any collective
+        momentum = own_momentum(comp)
+        if momentum:
+            warnings.warn(f"hvd_ext.ddp: {spec!r} applies momentum {momentum} itself before it compresses. "
+                          "hvd_ext.DistributedOptimizer takes the optimizer's momentum over for it; a DDP hook "
+                          "sees no optimizer, so create the optimizer with momentum=0 (else the momentum is "
+                          "applied twice), or set it to 0 in the spec (momentum=0; signum: beta=0)", stacklevel=3)
         self.spec = spec
         self.exchange = Exchange(op="average", transport=TorchDistTransport(process_group))
         self.pipelines: Dict[tuple, Tuple[GradientPipeline, List[torch.nn.Parameter]]] = {}  # by layout
@@ -158,6 +169,12 @@ class HookState:
         """A parameter's name in the pipeline (its feedback memory, its codec state): the order in which
         the hook first met it, the same on every rank as DDP's buckets are."""
         return self._names.setdefault(id(p), f"p{len(self._names)}")
+
+
+def own_momentum(comp) -> float:
+    """The momentum a codec applies to the gradient before compressing it: its feedback's momentum
+    correction (dgc, ``dgc_momentum``) or Signum's ``beta``; 0 when it applies none."""
+    return max(float(getattr(comp.feedback, "momentum", 0.0) or 0.0), float(getattr(comp, "beta", 0.0) or 0.0))
 
 
 def aligned_parameters(params, grads) -> List[torch.Tensor]:

@@ -1,0 +1,31 @@
+"""hvd_ext.ddp on a one-process Gloo group: what the hook says at construction."""
+import warnings
+
+import pytest
+import torch.distributed as dist
+
+from hvd_ext import ddp
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    made = not dist.is_initialized()
+    if made:
+        store = tmp_path_factory.mktemp("gloo") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    if made:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("spec", ["dgc", "topk:ratio=0.01,feedback=dgc_momentum", "signum"])
+def test_a_codec_applying_momentum_itself_warns_to_zero_the_optimizers(one_rank, spec):
+    with pytest.warns(UserWarning, match="momentum=0"):
+        ddp.HookState(spec)
+
+
+@pytest.mark.parametrize("spec", ["dgc:momentum=0", "signum:beta=0", "topk:ratio=0.01", "qsgd:bits=8", "auto"])
+def test_a_codec_without_its_own_momentum_says_nothing(one_rank, spec):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ddp.HookState(spec)
