@@ -527,8 +527,8 @@ class AutoTuner(Policy):
                 kind = choose_route(c, c.route, numel, pipe.size, link=link,
                                     exchange=pipe.exchange, codec=link.codec, device=b.params[0].device)
                 kinds.append(kind)
-                if kind == "sparse_rs":  # its pairs, not the codec's payload, travel (as the planner counts)
-                    nbytes = sparse_rs_payload(c, [p.numel() for p in b.params], pipe.size)
+                if kind == "sparse_rs" and hasattr(c, "ratio"):  # its pairs travel, not the codec's payload
+                    nbytes = sparse_rs_payload(c, [p.numel() for p in b.params], pipe.size)  # (as the planner)
                 times.append(self.predict(kind, numel, nbytes, enc, dec))
                 per[self.auto.candidate_specs[ci]] = round(times[-1] * 1e3, 4)
             forecasts.append(Forecast(numel=numel, times=times, routes=kinds))

@@ -18,8 +18,9 @@ call). A pipeline orders its parameters by name, not by DDP's buffer, so DDP's r
 buckets after the first iteration keeps a bucket's pipeline when the bucket keeps its parameters.
 
 Momentum. A codec that applies momentum itself (dgc's momentum correction, Signum) cannot take the
-optimizer's momentum over here, as ``DistributedOptimizer`` does: the hook sees no optimizer. The
-hook warns at construction; create the optimizer with ``momentum=0``.
+optimizer's momentum over here, as ``DistributedOptimizer`` does: create the optimizer with
+``momentum=0``. Given ``optimizer=``, the hook raises at construction when it has momentum; without
+it, the hook warns.
 
 Agreement. At the first bucket every rank's spec, bucket layout and dtypes are compared in one
 allgather: a rank configured differently raises ``ValueError`` on every rank, naming the
@@ -62,14 +63,9 @@ BIG = 1 << 62  # one hvd_ext bucket per DDP bucket: DDP already chose the bucket
 class HookState:
     """The hook's state: the spec, the exchange over ``process_group``, one pipeline per DDP bucket."""
 
-    def __init__(self, spec: str, process_group=None):
+    def __init__(self, spec: str, process_group=None, optimizer=None):
         comp = compression_from_spec(spec)  # a bad spec fails here, before any collective
-        momentum = own_momentum(comp)
-        if momentum:
-            warnings.warn(f"hvd_ext.ddp: {spec!r} applies momentum {momentum} itself before it compresses. "
-                          "hvd_ext.DistributedOptimizer takes the optimizer's momentum over for it; a DDP hook "
-                          "sees no optimizer, so create the optimizer with momentum=0 (else the momentum is "
-                          "applied twice), or set it to 0 in the spec (momentum=0; signum: beta=0)", stacklevel=3)
+        check_momentum(spec, comp, optimizer)
         self.spec = spec
         self.exchange = Exchange(op="average", transport=TorchDistTransport(process_group))
         self.pipelines: Dict[tuple, Tuple[GradientPipeline, List[torch.nn.Parameter]]] = {}  # by layout
@@ -171,6 +167,26 @@ class HookState:
         return self._names.setdefault(id(p), f"p{len(self._names)}")
 
 
+def check_momentum(spec: str, comp, optimizer=None) -> None:
+    """A codec that applies momentum itself (:func:`own_momentum`) next to an optimizer with momentum
+    would apply it twice: ValueError when ``optimizer`` is given and has momentum (SGD's ``momentum``,
+    Adam's ``betas[0]``), a warning when no optimizer is given, nothing otherwise."""
+    momentum = own_momentum(comp)
+    if not momentum:
+        return
+    fix = ("create the optimizer with momentum=0, or set the codec's to 0 in the spec (momentum=0; signum: beta=0). "
+           "hvd_ext.DistributedOptimizer takes the optimizer's momentum over instead; a DDP hook does not")
+    if optimizer is None:
+        warnings.warn(f"hvd_ext.ddp: {spec!r} applies momentum {momentum} itself before it compresses: "
+                      f"{fix}. Pass optimizer= to have this checked", stacklevel=4)
+        return
+    theirs = sorted({float(g["betas"][0]) if "betas" in g else float(g.get("momentum", 0) or 0)
+                     for g in optimizer.param_groups} - {0.0})
+    if theirs:
+        raise ValueError(f"hvd_ext.ddp: {spec!r} applies momentum {momentum} itself, and the optimizer "
+                         f"{type(optimizer).__name__} has momentum {theirs}: it would apply twice; {fix}")
+
+
 def own_momentum(comp) -> float:
     """The momentum a codec applies to the gradient before compressing it: its feedback's momentum
     correction (dgc, ``dgc_momentum``) or Signum's ``beta``; 0 when it applies none."""
@@ -215,13 +231,14 @@ def hook(state: HookState, bucket):  # unannotated: DDP checks a return annotati
     return fut
 
 
-def comm_hook(spec: str, process_group=None) -> Tuple[HookState, Any]:
-    """``(state, hook)`` for ``model.register_comm_hook(state, hook)``."""
-    return HookState(spec, process_group), hook
+def comm_hook(spec: str, process_group=None, optimizer=None) -> Tuple[HookState, Any]:
+    """``(state, hook)`` for ``model.register_comm_hook(state, hook)``. ``optimizer``: the training
+    loop's, checked against a codec that applies momentum itself (:func:`check_momentum`)."""
+    return HookState(spec, process_group, optimizer), hook
 
 
-def register(model, spec: str, process_group=None) -> HookState:
+def register(model, spec: str, process_group=None, optimizer=None) -> HookState:
     """Register the hook for ``spec`` on a ``DistributedDataParallel`` model; returns its state."""
-    state, fn = comm_hook(spec, process_group)
+    state, fn = comm_hook(spec, process_group, optimizer)
     model.register_comm_hook(state, fn)
     return state

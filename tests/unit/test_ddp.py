@@ -2,6 +2,7 @@
 import warnings
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from hvd_ext import ddp
@@ -29,3 +30,18 @@ def test_a_codec_without_its_own_momentum_says_nothing(one_rank, spec):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ddp.HookState(spec)
+
+
+def optimizer(kind, momentum):
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    return torch.optim.SGD(p, lr=0.1, momentum=momentum) if kind == "sgd" else torch.optim.Adam(p, betas=(momentum, 0.99))
+
+
+@pytest.mark.parametrize("spec", ["dgc", "signum"])
+def test_given_the_optimizer_momentum_twice_raises_and_momentum_zero_passes(one_rank, spec):
+    for kind in ("sgd", "adam"):
+        with pytest.raises(ValueError, match="would apply twice.*momentum=0"):
+            ddp.HookState(spec, optimizer=optimizer(kind, 0.9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ddp.HookState(spec, optimizer=optimizer("sgd", 0.0))

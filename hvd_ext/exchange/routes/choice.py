@@ -45,9 +45,9 @@ def sparse_rs_payload(comp: Compressor, numels: Sequence[int], size: int) -> flo
     selects), so the planner and ``auto`` account this route as it sends."""
     ratio = float(getattr(comp, "ratio", 0.01))
     total = int(sum(numels))
-    over_bucket = getattr(comp, "bucket_flat", False)
-    k = count_for(ratio, total) if over_bucket else sum(count_for(ratio, int(n)) for n in numels)
-    wire = expected_wire(total, k, size, getattr(comp, "value_dtype", torch.float32))
+    over_bucket = getattr(comp, "scope", None) == "model" or getattr(comp, "_selects_over_bucket", lambda: False)()
+    sizes = [total] if over_bucket else [int(n) for n in numels]
+    wire = expected_wire(sizes, [count_for(ratio, n) for n in sizes], size, getattr(comp, "value_dtype", torch.float32))
     return wire * size / (2.0 * (size - 1)) if size > 1 else 0.0
 
 

@@ -31,9 +31,10 @@ received pairs are counted from the frames' sizes, which the transport knows.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import torch
 
@@ -57,20 +58,35 @@ def pair_bytes(span: int, value_dtype: torch.dtype) -> int:
     return (2 if value_dtype == torch.float16 else 4) + (2 if _index_dtype(span) == torch.int16 else 4)
 
 
-def expected_wire(total: int, k: float, size: int, value_dtype: torch.dtype) -> float:
-    """Bytes one rank counts on the wire per step for a bucket of ``total`` entries of which every rank
-    selects ``k``, when they fall evenly on the even owner ranges (the ranks' mean): phase 1 sends
-    k/N pairs to each other owner (``value_dtype`` values, indices 16 or 32 bits by the range's span);
-    phase 2 gathers every other owner's ceil(k/N) float32 pairs; one frame per message. Where the
-    entries fall unevenly the alltoall counts the larger of sent and received, so a rank counts more."""
+def expected_wire(sizes: Sequence[int], selected: Sequence[float], size: int, value_dtype: torch.dtype) -> float:
+    """Bytes one rank counts on the wire per step (the ranks' mean) for a bucket of tensors of ``sizes``
+    entries, of which every rank selects ``selected[t]`` from tensor t, spread evenly over it (one
+    selection over the bucket: one size and its count). The even owner ranges then hold c_j entries
+    of each rank. Phase 1 sends c_j pairs to each other owner j (``value_dtype`` values, indices 16
+    or 32 bits by the range's span), counted as the larger of a rank's sent and received bytes (an
+    alltoall), so an owner holding more entries than the others (small tensors' minimum of one)
+    counts more; phase 2 gathers every other owner's ceil(c_j) float32 pairs (counted as received,
+    an allgather's bytes); one frame per message."""
     N = size
     if N < 2:
         return 0.0
-    spans = split_sizes(total, N)
+    spans = split_sizes(sum(sizes), N)
+    edges = [0]
+    for sp in spans:
+        edges.append(edges[-1] + sp)
+    counts = [0.0] * N
+    start = 0
+    for n, k in zip(sizes, selected):
+        j = max(bisect.bisect_right(edges, start) - 1, 0)
+        while n and j < N and edges[j] < start + n:   # the owner ranges this tensor overlaps
+            counts[j] += k * (min(start + n, edges[j + 1]) - max(start, edges[j])) / n
+            j += 1
+        start += n
     frame = frame_size([0])  # a frame of one payload: header + length, then the payload's bytes
-    phase1 = sum(k / N * pair_bytes(s, value_dtype) for s in spans)
-    phase2 = sum(math.ceil(k / N) * pair_bytes(s, torch.float32) for s in spans)
-    return (N - 1) * 2 * frame + (N - 1) / N * (phase1 + phase2)
+    first = [frame + c * pair_bytes(sp, value_dtype) for c, sp in zip(counts, spans)]
+    second = [frame + math.ceil(c - 1e-9) * pair_bytes(sp, torch.float32) for c, sp in zip(counts, spans)]
+    sum1, sum2 = sum(first), sum(second)
+    return sum(max(sum1 - first[r], (N - 1) * first[r]) + sum2 - second[r] for r in range(N)) / N
 
 
 def encode_pairs(idx: torch.Tensor, vals: torch.Tensor, span: int, value_dtype: torch.dtype) -> torch.Tensor:

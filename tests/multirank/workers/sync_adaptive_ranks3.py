@@ -23,16 +23,17 @@ def adaptive_in_flight():
     o = hvd_ext.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
                                      named_parameters=m.named_parameters())
     a = hvd_ext.AdaptiveSync(o, m, min_period=1, max_period=6)
-    flight = []
+    flight, saved = [], []
     for t in range(30):
         o.zero_grad()
         two.loss_of(m, t).backward()
         a.step()
         flight.append((a.syncs, len(a.history), a._decision is not None))
-        if two.rank == 0 and t in (9, 19) and a._decision is not None:
-            a.state_dict()
+        if two.rank == 0 and a._decision is not None and len(saved) < 2:
+            saved.append(a.state_dict()["period"])   # rank 0 alone, the decision in flight: it waits for it
     a.finish()
-    return {"flight": flight, "history": o.stats.extra["period_history"], "spread": two.spread(m, "ad3.final")}
+    return {"flight": flight, "history": o.stats.extra["period_history"], "spread": two.spread(m, "ad3.final"),
+            "saved": saved}
 
 
 def balance_ranks3():
@@ -51,9 +52,11 @@ def check(c, out):
              all(s == n + f for s, n, f in fl) and any(f for *_, f in fl)
              and all(n == s_prev for (s_prev, _, _), (_, n, _) in zip(fl, fl[1:])), fl)
     c.expect("adaptive3: identical on the ranks after finish", a["spread"] == 0.0, a["spread"])
+    c.expect("adaptive3: rank 0 checkpointed twice with a decision in flight, each a decided period",
+             two.rank != 0 or (len(a["saved"]) == 2 and all(1 <= p <= 6 for p in a["saved"])), a["saved"])
     c.expect("balance3: identical after finish, the budget reached", b["spread"] == 0.0 and b["global"] >= 150,
              (b["spread"], b["global"]))
-    c.expect("balance3: the fastest rank took more steps than the slowest", b["steps"][0] > 1.5 * b["steps"][2],
+    c.expect("balance3: the fastest rank took more steps than the slowest", b["steps"][0] > 1.3 * b["steps"][2],
              b["steps"])
     c.expect("balance3: every sync is FedNova's normalised average of the 3 ranks, plans unequal from the third",
              b["normalised_err"] < 1e-6 and any(len(set(p)) > 1 for p in b["plans"][2:]), (b["normalised_err"], b["plans"]))

@@ -37,6 +37,8 @@ CASES = [
     ("qsgd:bits=4,exchange=twophase", "twophase", 0.005),
     ("efsignsgd:exchange=twophase", "twophase", 0.005),
     ("topk:ratio=0.01,exchange=twophase", "sparse_rs", 0.05),
+    ("topk:ratio=0.01,scope=layer,exchange=twophase", "sparse_rs", 0.05),
+    ("topk:ratio=0.01,feedback=dgc_momentum,exchange=twophase", "sparse_rs", 0.05),
 ]
 
 
@@ -57,6 +59,18 @@ def test_sparse_reduce_scatter_bytes_follow_its_index_width(spec):
     # owner ranges wider than 65536 entries carry 32-bit indices (phase 2: float32 values too)
     shapes = [(320, 512), (320,)]
     g = torch.Generator().manual_seed(1)
+    grads = [[{f"p{i}": torch.randn(s, generator=g) for i, s in enumerate(shapes)} for _ in range(2)]]
+    runs = run_pipeline(spec, grads, 2)
+    measured = statistics.mean(r.wire[-1] for r in runs)
+    assert predicted_wire(spec, "sparse_rs", 2, shapes) == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01,exchange=twophase", "topk:ratio=0.01,scope=layer,exchange=twophase",
+                                  "topk:ratio=0.01,feedback=dgc_momentum,exchange=twophase"])
+def test_sparse_reduce_scatter_selects_as_the_codec_scopes(spec):
+    # many small tensors: k per tensor (at least one each) is far above k over the bucket
+    shapes = [(10,)] * 60 + [(20000,)]
+    g = torch.Generator().manual_seed(2)
     grads = [[{f"p{i}": torch.randn(s, generator=g) for i, s in enumerate(shapes)} for _ in range(2)]]
     runs = run_pipeline(spec, grads, 2)
     measured = statistics.mean(r.wire[-1] for r in runs)
