@@ -33,7 +33,6 @@ from ..exchange import cost
 from ..exchange.core import frame_size
 from ..exchange.routes import codec_node_aware_reason, estimated_payload_bytes, sparse_rs_payload
 from ..exchange.routes.twophase import segments
-from ..exchange.transport import split_sizes
 from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
 from ..spec import compression_from_spec
 
@@ -275,14 +274,7 @@ def sparse_payload(comp: Compressor, shapes: Sequence[tuple], route: str, parts:
     numels = [math.prod(s) for s in shapes]
     if not route.startswith("node:"):
         return sparse_rs_payload(comp, numels, parts)
-    edges = [0]
-    for n in numels:
-        edges.append(edges[-1] + n)
-    per_shard, a = [], 0
-    for sz in split_sizes(edges[-1], local):
-        pieces = [min(hi, a + sz) - max(lo, a) for lo, hi in zip(edges, edges[1:])]
-        per_shard.append(sparse_rs_payload(comp, [p for p in pieces if p > 0], parts))
-        a += sz
+    per_shard = [sparse_rs_payload(comp, [b - a for _, a, b in shard], parts) for shard in segments(numels, local)]
     return local * sum(per_shard) / len(per_shard)
 
 
