@@ -170,7 +170,11 @@ class HookState:
 def check_momentum(spec: str, comp, optimizer=None) -> None:
     """A codec that applies momentum itself (:func:`own_momentum`) next to an optimizer with momentum
     would apply it twice: ValueError when ``optimizer`` is given and has momentum (SGD's ``momentum``,
-    Adam's ``betas[0]``), a warning when no optimizer is given, nothing otherwise."""
+    Adam's ``betas[0]``), a warning when no optimizer is given, nothing otherwise. ``optimizer`` not an
+    optimizer: ValueError, whatever the codec."""
+    if optimizer is not None and not isinstance(getattr(optimizer, "param_groups", None), list):
+        raise ValueError(f"hvd_ext.ddp: bad optimizer {type(optimizer).__name__}; accepted: None or a "
+                         "torch.optim.Optimizer (the training loop's, with param_groups)")
     momentum = own_momentum(comp)
     if not momentum:
         return

@@ -45,3 +45,9 @@ def test_given_the_optimizer_momentum_twice_raises_and_momentum_zero_passes(one_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ddp.HookState(spec, optimizer=optimizer("sgd", 0.0))
+
+
+@pytest.mark.parametrize("bad", ["sgd", 0.9, object()])
+def test_an_optimizer_that_is_not_one_is_refused_naming_what_is_accepted(one_rank, bad):
+    with pytest.raises(ValueError, match="accepted: None or a torch.optim.Optimizer"):
+        ddp.HookState("qsgd:bits=8", optimizer=bad)
