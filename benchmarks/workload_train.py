@@ -148,7 +148,7 @@ def main(argv=None):
     def evaluate() -> float:
         if is_async:  # the server's z, read one-sided
             mine = flat.params_vector()
-            flat.set_params_vector(sync.pull_model())
+            flat.set_params_vector(torch.from_numpy(sync.server.pull()))
             v = w.evaluate(model, x_test, y_test)
             flat.set_params_vector(mine)
             return v

@@ -53,18 +53,15 @@ import math
 import time
 from typing import Any, Dict, Optional
 
-import numpy as np
 import torch
 
 from ..options import Option, resolve_options
 from ._common import (FlatState, average_buffers, check_optimizer_model, exchange_for, is_distributed_optimizer,
                       stats_for)
-from .control_variates import ControlVariates
 from .param_server import PS_OPTIONS, ParameterServer, require_mpi_controller
 from .local_sgd import check_same_config
 
 STALENESS = ("loss", "inverse", "none")
-CORRECTIONS = ("none", "scaffold")
 
 EVENT_OPTIONS = {
     "sigma": Option(float, 2e-4, accepted="sigma >= 0", check=lambda v: v >= 0,
@@ -79,8 +76,6 @@ EVENT_OPTIONS = {
     "staleness": Option(str, "loss", choices=STALENESS, help="push weighting"),
     "gamma": Option(float, 1.0, accepted="gamma >= 0", check=lambda v: v >= 0,
                     help="exponent of the loss-based staleness weight"),
-    "correction": Option(str, "none", choices=CORRECTIONS,
-                         help="drift correction of the local steps: scaffold = control variates on the server"),
     "sync_buffers": Option(bool, True, help="average floating-point model buffers (BatchNorm stats) in finish()"),
     **PS_OPTIONS,
 }
@@ -121,11 +116,11 @@ class EventTriggeredSGD:
 
     def __init__(self, optimizer, model, sigma: float = 2e-4, rho: float = 1.0, eps: float = 0.0,
                  tau_min: int = 5, tau_max: int = 16, staleness: str = "loss", gamma: float = 1.0,
-                 correction: str = "none", sync_buffers: bool = True, progress: str = "auto", progress_interval: float = 0.002, comm=None):
+                 sync_buffers: bool = True, progress: str = "auto", progress_interval: float = 0.002, comm=None):
         check_optimizer_model("EventTriggeredSGD", optimizer, model)
         o = resolve_options("EventTriggeredSGD", self.declared,
                     dict(sigma=sigma, rho=rho, eps=eps, tau_min=tau_min, tau_max=tau_max, staleness=staleness,
-                         gamma=gamma, correction=correction, sync_buffers=sync_buffers, progress=progress,
+                         gamma=gamma, sync_buffers=sync_buffers, progress=progress,
                          progress_interval=progress_interval))
         if o["tau_max"] < o["tau_min"]:
             raise ValueError(f"EventTriggeredSGD: bad value {o['tau_max']!r} for 'tau_max': "
@@ -143,14 +138,9 @@ class EventTriggeredSGD:
         if comm is None:  # the server spans every rank: same configuration everywhere
             check_same_config("EventTriggeredSGD", {"sync": self.describe(), "numel": int(x0.numel())})
         self.comm_is_world = comm is None  # buffers are averaged over Horovod's global set only then
-        self.numel = int(x0.numel())
-        init = x0.numpy()
-        if o["correction"] == "scaffold":  # the server holds [z, c]
-            init = np.concatenate([init, np.zeros_like(init)])
-        self.server = ParameterServer(int(init.size), init=init, comm=comm, progress=o["progress"],
+        self.server = ParameterServer(x0.numel(), init=x0.numpy(), comm=comm, progress=o["progress"],
                                       progress_interval=o["progress_interval"])
         self.n = self.server.size
-        self.control = (ControlVariates(self.state.params, self.n) if o["correction"] == "scaffold" else None)
         self.rank = self.server.rank
         self.xhat = x0.clone()
         self.ref_sq = float(x0.dot(x0))
@@ -168,7 +158,7 @@ class EventTriggeredSGD:
     def describe(self) -> str:
         o = self.o
         return (f"event:sigma={o['sigma']},rho={o['rho']},eps={o['eps']},tau_min={o['tau_min']},"
-                f"tau_max={o['tau_max']},staleness={o['staleness']},gamma={o['gamma']},correction={o['correction']}")
+                f"tau_max={o['tau_max']},staleness={o['staleness']},gamma={o['gamma']}")
 
     def _publish(self) -> None:
         self.stats.extra.update({"sync": self.describe(), "trigger_reasons": self.reasons, "weights": self.weights,
@@ -176,8 +166,6 @@ class EventTriggeredSGD:
 
     # ---- per-step --------------------------------------------------------------------------
     def step(self, loss=None, closure=None):
-        if self.control is not None:
-            self.control.correct()
         out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.steps += 1
         self.since += 1
@@ -211,19 +199,13 @@ class EventTriggeredSGD:
             lg = float(posted.mean()) if posted.size and math.isfinite(li) else None
             weight = staleness_weight(self.o["staleness"], self.o["gamma"], lg, li if math.isfinite(li) else None, tau)
         delta = (x - self.xhat) * (weight / self.n)
-        if self.control is not None:
-            delta = torch.cat([delta, self.control.delta()])
         if not bool(torch.isfinite(delta).all()):
             # A non-finite value never reaches the server: push nothing, take z (recovers this rank).
             delta = torch.zeros_like(delta)
             self.skipped_pushes += 1
             self.stats.extra["skipped_pushes"] = self.skipped_pushes
-            if self.control is not None:
-                self.control.discard()
-        pulled = torch.from_numpy(self.server.push_pull(delta.numpy()))
-        z = pulled[:self.numel]
-        if self.control is not None:
-            self.control.apply(pulled[self.numel:])
+        delta = delta.numpy()
+        z = torch.from_numpy(self.server.push_pull(delta))
         self._others_seen = others
         self.state.set_params_vector(z)
         self.xhat = z
@@ -246,7 +228,7 @@ class EventTriggeredSGD:
             self.stats.bytes_sent += nbytes
             self.stats.bytes_received += nbytes
         self.server.barrier()
-        z = self.pull_model()
+        z = torch.from_numpy(self.server.pull())
         self.state.set_params_vector(z)
         self.xhat = z
         self.server.barrier()
@@ -265,10 +247,6 @@ class EventTriggeredSGD:
     def exchanges(self) -> int:
         return self.k
 
-    def pull_model(self) -> torch.Tensor:
-        """The server's global model z, flat float64 (one-sided read, no collective)."""
-        return torch.from_numpy(self.server.pull()[:self.numel])
-
     def global_steps(self) -> int:
         """Local steps of all workers together, as of each worker's last push (one-sided read of the
         board, no collective). A training loop that gives every method the same total number of
@@ -284,8 +262,7 @@ class EventTriggeredSGD:
         return {"kind": self.name, "xhat": self.xhat.clone(), "k": self.k, "since": self.since, "steps": self.steps,
                 "loss_sum": self._loss_sum, "loss_n": self._loss_n, "others_seen": self._others_seen,
                 "reasons": dict(self.reasons), "weights": list(self.weights), "delays": list(self.delays),
-                "pushes": self.server.pushes, "pulls": self.server.pulls,
-                "control": self.control.state_dict() if self.control is not None else None}
+                "pushes": self.server.pushes, "pulls": self.server.pulls}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         if sd.get("kind") != self.name:
@@ -300,8 +277,6 @@ class EventTriggeredSGD:
         self.weights[:] = sd["weights"]
         self.delays[:] = sd["delays"]
         self.server.pushes, self.server.pulls = int(sd["pushes"]), int(sd["pulls"])
-        if self.control is not None and sd.get("control") is not None:
-            self.control.load_state_dict(sd["control"])
 
     def shared_state_dict(self) -> Dict[str, Any]:
         """The parameter server's state (z, board, counters): one-sided, call on one rank at a quiet point."""
