@@ -151,5 +151,9 @@ def _choose_flat(comp: Compressor, mode: str, numel: int, size: int, link: Optio
         return "allgather"
     if mode == "twophase":
         return scalable
-    best = cost.choose_exchange(("allgather", "twophase"), numel, estimated_payload_bytes(comp, numel), size, link)
-    return scalable if best == "twophase" else "allgather"
+    payload = estimated_payload_bytes(comp, numel)
+    t_gather = cost.predict("allgather", numel, payload, size, link or cost.LinkModel())
+    if comp.sparse and hasattr(comp, "ratio"):  # priced as the sparse reduce-scatter sends (as the planner does)
+        payload = sparse_rs_payload(comp, [numel], size)
+    t_scalable = cost.predict("twophase", numel, payload, size, link or cost.LinkModel())
+    return scalable if t_scalable < t_gather - 1e-15 else "allgather"

@@ -34,6 +34,21 @@ def test_route_choice():
     assert c("qsgd:bits=8,exchange=twophase").spec() == "qsgd:bits=8,route=twophase"  # the old key
 
 
+def test_sparse_route_priced_as_the_sparse_reduce_scatter_sends():
+    """fp16 values over owner ranges wider than 65536 entries: the sparse reduce-scatter sends
+    32-bit indices and float32 sums, more than the allgather of the codec's own payload at 3 ranks,
+    so the bucket takes the allgather (priced with the codec's payload, both looked alike)."""
+    from hvd_ext.compression._sparse import count_for
+    from hvd_ext.exchange.routes.choice import estimated_payload_bytes
+    from hvd_ext.exchange.routes.sparse_rs import expected_wire
+
+    comp, n, size = hvd_ext.compression_from_spec("topk:ratio=0.01,values=fp16"), 10 ** 7, 3
+    gather_wire = (size - 1) * estimated_payload_bytes(comp, n)
+    assert expected_wire([n], [count_for(0.01, n)], size, comp.value_dtype) > gather_wire
+    assert choose_route(comp, "auto", n, size) == "allgather"
+    assert choose_route(hvd_ext.compression_from_spec("topk:ratio=0.01"), "auto", n, 8) == "sparse_rs"
+
+
 def test_route_choice_on_nodes():
     c = hvd_ext.compression_from_spec
     two_by_two = _Ex(Topology(0, 2, 0, 2))
