@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..compression.base import Compressor
+from ..compression.base import Compressor, TensorInfo
 from ..exchange import cost
 from ..exchange.core import frame_size
 from ..exchange.routes import codec_node_aware_reason, estimated_payload_bytes, sparse_rs_payload
@@ -246,6 +246,24 @@ def tensor_payload(comp: Compressor, shape: tuple) -> float:
     return float(estimated_payload_bytes(comp, n))
 
 
+STEADY_STEP = 10 ** 9  # a step past every codec's warm-up: the planner prices the steady state
+
+
+def gathered_sizes(comp: Compressor, shapes: Sequence[tuple]) -> Optional[List[int]]:
+    """The payload sizes an allgather of a bucket of ``shapes`` carries when every rank knows them
+    from the shapes (``Compressor.payload_size``, as the route asks it: one flat record for a
+    ``bucket_flat`` codec, :func:`hvd_ext.exchange.routes.flat_record`), else None (the sizes then
+    travel first: an alltoall)."""
+    numels = [math.prod(s) for s in shapes]
+    if comp.bucket_flat:
+        infos = [TensorInfo(name="bucket", shape=torch.Size([sum(numels)]), step=STEADY_STEP,
+                            segments=[(f"t{i}", n, None) for i, n in enumerate(numels)])]
+    else:
+        infos = [TensorInfo(name=f"t{i}", shape=torch.Size(s), step=STEADY_STEP) for i, s in enumerate(shapes)]
+    sizes = [comp.payload_size(info) for info in infos]
+    return None if any(z is None for z in sizes) else [int(z) for z in sizes]
+
+
 def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int = 1) -> float:
     """One rank's bytes for a bucket of tensors of ``shapes`` on ``route`` (over ``parts`` ranks):
     an allreduce carries the payloads bare; the allgather one frame (:func:`hvd_ext.exchange.core.frame_size`:
@@ -262,8 +280,9 @@ def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: 
         width = max(len(shard) for shard in shards)  # every frame has as many slots (empty ones: 0 bytes)
         return float(sum(frame_size([int(comp.wire_bytes(b - a)) for _, a, b in shard] + [0] * (width - len(shard)))
                          for shard in shards))
-    if route.endswith("allgather") and all(comp.wire_bytes(math.prod(s)) is not None for s in shapes):
-        return float(frame_size([int(comp.wire_bytes(math.prod(s))) for s in shapes]))
+    sizes = gathered_sizes(comp, shapes) if route.endswith("allgather") else None
+    if sizes is not None:
+        return float(frame_size(sizes))
     return float(sum(tensor_payload(comp, s) for s in shapes))
 
 
@@ -289,7 +308,8 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
         if route.startswith("node:"):
             costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c))
         else:
-            known = all(comp.wire_bytes(math.prod(s)) is not None for s in shapes)
+            known = gathered_sizes(comp, shapes) is not None if route == "allgather" else \
+                all(comp.wire_bytes(math.prod(s)) is not None for s in shapes)
             costs.append(flat_cost(route, n, payload, enc, dec, c, known))
     return costs
 
@@ -321,6 +341,10 @@ def codec_rows(spec: str, shapes: Sequence[tuple], compute_s: float, c: Cluster,
                optimizer: str = "none") -> List[Row]:
     """One row per route ``spec`` can take under ``optimizer`` (:func:`bind_like`), on the optimizer's buckets."""
     comp = compression_from_spec(spec)
+    if comp.sparse and not hasattr(comp, "ratio"):
+        raise ValueError(f"plan: {spec!r} sends as many entries as its gradients decide, so its bytes cannot be "
+                         "predicted from the model's shapes; accepted: codecs of a fixed size or a ratio "
+                         "(e.g. topk:ratio=0.01, dgc, sig, randomk)")
     bind_like(comp, optimizer)
     buckets = buckets_of(shapes, bucket_bytes, min(bucket_bytes, FIRST_BUCKET_BYTES))
     return [make_row(spec, spec, r, codec_costs(spec, comp, r, buckets, c), compute_s, c)

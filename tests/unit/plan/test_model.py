@@ -7,7 +7,8 @@ import torch
 
 from hvd_ext.exchange.cost import LinkModel
 from hvd_ext.plan import plan
-from hvd_ext.plan.model import BucketCost, step_seconds
+from hvd_ext.plan.model import BucketCost, Cluster, codec_costs, step_seconds
+from hvd_ext.spec import compression_from_spec
 from hvd_ext.testing.harness import run_pipeline
 
 SHAPES = [(64, 40), (64,), (128, 64, 3), (128,), (10, 512), (10,)]
@@ -33,6 +34,8 @@ CASES = [
     ("fp16", "allreduce", 0.0),
     ("powersgd:rank=2,warmup=0", "allreduce", 0.0),
     ("qsgd:bits=8,exchange=allgather", "allgather", 0.0),
+    ("topk:ratio=0.01,exchange=allgather", "allgather", 0.0),   # one flat record per bucket, its size known
+    ("sig:ratio=0.01,exchange=allgather", "allgather", 0.0),
     ("efsignsgd:exchange=allgather", "allgather", 0.0),
     ("qsgd:bits=4,exchange=twophase", "twophase", 0.005),
     ("efsignsgd:exchange=twophase", "twophase", 0.005),
@@ -75,6 +78,23 @@ def test_sparse_reduce_scatter_selects_as_the_codec_scopes(spec):
     runs = run_pipeline(spec, grads, 2)
     measured = statistics.mean(r.wire[-1] for r in runs)
     assert predicted_wire(spec, "sparse_rs", 2, shapes) == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.parametrize("spec,collective", [("topk:ratio=0.01", "allgather"), ("sig:ratio=0.01", "allgather"),
+                                             ("qsgd:bits=8", "allgather"), ("dgc:ratio=0.01", "alltoall")])
+def test_allgather_priced_by_whether_the_ranks_know_the_sizes(spec, collective):
+    """A bucket-wide top-k sends one flat record whose size every rank knows: a sized allgather.
+    dgc's sampled count is read first: the route then gathers by an alltoall."""
+    lat = {"allreduce": 1e-3, "allgather": 2e-3, "alltoall": 7e-3}
+    c = Cluster(1, 4, LinkModel(), LinkModel(), codec={spec.split(":")[0]: float("inf")}, collective_lat=lat)
+    costs = codec_costs(spec, compression_from_spec(spec), "allgather", [SHAPES], c)
+    assert costs[0].latency == lat[collective]
+
+
+def test_a_codec_whose_count_the_data_decides_is_refused():
+    with pytest.raises(ValueError, match="'threshold'.*cannot be predicted.*accepted: codecs of a fixed size"):
+        plan(SHAPES, compute_s=0.0, cluster=None, nodes=1, gpus_per_node=2, device="cpu", methods=["threshold"],
+             intra=LinkModel(), breakeven_search=False)
 
 
 def test_step_overlaps_exchange_with_backward():
