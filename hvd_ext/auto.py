@@ -62,7 +62,7 @@ from .compression.base import Compressor, Continue, TensorInfo
 from .compression.common import COMMON_ALIASES, COMMON_OPTIONS
 from .exchange import calibration, cost
 from .exchange.probe import best_time
-from .exchange.routes import TensorRecord, choose_route, flat_record, sparse_rs_payload
+from .exchange.routes import TensorRecord, choose_route, flat_record, priced_as_pairs, route_payload
 from .ops.device import Timer
 from .options import Option, resolve_options
 from .policy import CONTEND, SETTLE, Policy, median, ranks_mean
@@ -527,8 +527,8 @@ class AutoTuner(Policy):
                 kind = choose_route(c, c.route, numel, pipe.size, link=link,
                                     exchange=pipe.exchange, codec=link.codec, device=b.params[0].device)
                 kinds.append(kind)
-                if kind == "sparse_rs" and hasattr(c, "ratio"):  # its pairs travel, not the codec's payload
-                    nbytes = sparse_rs_payload(c, [p.numel() for p in b.params], pipe.size)  # (as the planner)
+                if kind == "sparse_rs" and priced_as_pairs(c):  # its pairs travel, not the codec's payload
+                    nbytes = route_payload(c, kind, [p.numel() for p in b.params], pipe.size)  # (as the planner)
                 times.append(self.predict(kind, numel, nbytes, enc, dec))
                 per[self.auto.candidate_specs[ci]] = round(times[-1] * 1e3, 4)
             forecasts.append(Forecast(numel=numel, times=times, routes=kinds))

@@ -57,9 +57,12 @@ def main(argv=None) -> int:
     model = a.model if a.model else int(a.params) if a.params else None
     if model is None:
         raise SystemExit("give --model NAME or --params COUNT")
-    p = plan(model, compute_s=None if a.compute_ms is None else a.compute_ms / 1e3, cluster=base, nodes=a.nodes,
-             gpus_per_node=a.gpus_per_node, intra=intra, inter=inter, methods=a.methods, calibration=cal,
-             optimizer=a.optimizer)
+    try:   # a bad input says what was wrong and what is accepted, without a traceback
+        p = plan(model, compute_s=None if a.compute_ms is None else a.compute_ms / 1e3, cluster=base,
+                 nodes=a.nodes, gpus_per_node=a.gpus_per_node, intra=intra, inter=inter, methods=a.methods,
+                 calibration=cal, optimizer=a.optimizer)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     i = p.inputs
     print(f"{i['params'] / 1e6:.1f}M parameters, compute {i['compute_s'] * 1e3:.1f} ms/step on {i['device']}; "
           f"{i['nodes']} node(s) x {i['gpus_per_node']} GPUs; intra {i['intra']['bandwidth'] * 8 / 1e9:.3g} Gbit/s, "

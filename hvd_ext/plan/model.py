@@ -31,7 +31,7 @@ import torch
 from ..compression.base import Compressor, TensorInfo
 from ..exchange import cost
 from ..exchange.core import frame_size
-from ..exchange.routes import codec_node_aware_reason, estimated_payload_bytes, sparse_rs_payload
+from ..exchange.routes import codec_node_aware_reason, estimated_payload_bytes, route_payload
 from ..exchange.routes.twophase import segments
 from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
 from ..spec import compression_from_spec
@@ -287,14 +287,10 @@ def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: 
 
 
 def sparse_payload(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int) -> float:
-    """The sparse reduce-scatter's bytes as a payload (:func:`hvd_ext.exchange.routes.sparse_rs_payload`):
-    flat, over the bucket's tensors; node-aware, over each of the ``local`` ranks' shard of the bucket
-    (its pieces of the tensors), the ranks' mean, as a whole bucket's payload (the node cost takes 1/L)."""
-    numels = [math.prod(s) for s in shapes]
-    if not route.startswith("node:"):
-        return sparse_rs_payload(comp, numels, parts)
-    per_shard = [sparse_rs_payload(comp, [b - a for _, a, b in shard], parts) for shard in segments(numels, local)]
-    return local * sum(per_shard) / len(per_shard)
+    """The sparse reduce-scatter's bytes as a payload (:func:`hvd_ext.exchange.routes.route_payload`):
+    flat, over the bucket's tensors; node-aware, over each of the ``local`` ranks' shard of the bucket."""
+    return route_payload(comp, "sparse_rs", [math.prod(s) for s in shapes], parts,
+                         local if route.startswith("node:") else 1)
 
 
 def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Sequence[tuple]],
@@ -341,7 +337,7 @@ def codec_rows(spec: str, shapes: Sequence[tuple], compute_s: float, c: Cluster,
                optimizer: str = "none") -> List[Row]:
     """One row per route ``spec`` can take under ``optimizer`` (:func:`bind_like`), on the optimizer's buckets."""
     comp = compression_from_spec(spec)
-    if comp.sparse and not hasattr(comp, "ratio"):
+    if comp.sparse and not hasattr(comp, "ratio") and comp.wire_bytes(1) is None:
         raise ValueError(f"plan: {spec!r} sends as many entries as its gradients decide, so its bytes cannot be "
                          "predicted from the model's shapes; accepted: codecs of a fixed size or a ratio "
                          "(e.g. topk:ratio=0.01, dgc, sig, randomk)")

@@ -21,6 +21,7 @@ from ..probe import node_links_setting
 from ..transport import NodeGroupsUnavailable, horovod_elastic
 from .base import NODE_PREFIX
 from .sparse_rs import expected_wire
+from .twophase import segments
 
 _warned = set()
 
@@ -49,6 +50,32 @@ def sparse_rs_payload(comp: Compressor, numels: Sequence[int], size: int) -> flo
     sizes = [total] if over_bucket else [int(n) for n in numels]
     wire = expected_wire(sizes, [count_for(ratio, n) for n in sizes], size, getattr(comp, "value_dtype", torch.float32))
     return wire * size / (2.0 * (size - 1)) if size > 1 else 0.0
+
+
+def priced_as_pairs(comp: Compressor) -> bool:
+    """Whether ``comp``'s scalable route is priced by the pairs the sparse reduce-scatter sends
+    (a sparse codec with a ratio; without one its count is the data's, and its payload is measured)."""
+    return bool(comp.sparse and hasattr(comp, "ratio"))
+
+
+def sparse_rs_payload_on_nodes(comp: Compressor, numels: Sequence[int], nodes: int, local: int) -> float:
+    """:func:`sparse_rs_payload` of the node-aware route: over each of the ``local`` ranks' shard of
+    the bucket (its pieces of the tensors) across ``nodes``, the ranks' mean, as a whole bucket's
+    payload (the node cost takes 1/``local`` of it)."""
+    shards = segments([int(n) for n in numels], local)
+    per_shard = [sparse_rs_payload(comp, [b - a for _, a, b in shard], nodes) for shard in shards]
+    return local * sum(per_shard) / len(per_shard)
+
+
+def route_payload(comp: Compressor, kind: str, numels: Sequence[int], size: int, local: int = 1) -> float:
+    """The payload the cost model prices ``kind`` (a flat route, or the inner route across ``size``
+    nodes of ``local`` ranks) with: the sparse reduce-scatter's pairs for :func:`priced_as_pairs`
+    codecs on the scalable route, else the codec's own payload."""
+    if kind in ("twophase", "sparse_rs") and priced_as_pairs(comp):
+        if local > 1:
+            return sparse_rs_payload_on_nodes(comp, numels, size, local)
+        return sparse_rs_payload(comp, numels, size)
+    return estimated_payload_bytes(comp, int(sum(numels)))
 
 
 def node_aware_reason(comp: Compressor, exchange: Optional[Exchange]) -> Optional[str]:
@@ -129,13 +156,20 @@ def route_options(comp: Compressor, mode: str, numel: int, size: int,
         cands = ("twophase",)
     else:
         cands = ("allgather", "twophase")
-    payload = estimated_payload_bytes(comp, numel) if comp.collective != "allreduce" else \
-        numel * float(comp.wire_dtype.itemsize if comp.wire_dtype is not None else 4)
-    pick = cost.choose_hierarchy(cands, cands, numel, payload, M, L, model)
-    inner = pick["inner"]
+    if comp.collective == "allreduce":
+        dense = numel * float(comp.wire_dtype.itemsize if comp.wire_dtype is not None else 4)
+        flat_t = {"allreduce": cost.predict_flat("allreduce", numel, dense, M, L, model)}
+        node_t = {"allreduce": cost.predict_node_aware("allreduce", numel, dense, M, L, model)}
+    else:
+        flat_t = {ex: cost.predict_flat(ex, numel, route_payload(comp, ex, [numel], M * L), M, L, model)
+                  for ex in cands}
+        node_t = {ex: cost.predict_node_aware(ex, numel, route_payload(comp, ex, [numel], M, L), M, L, model)
+                  for ex in cands}
+    inner = min(cands, key=lambda ex: (node_t[ex], cands.index(ex)))   # ties: the first listed
+    flat_s = min(flat_t.values())
     if inner == "twophase":
         inner = "sparse_rs" if comp.sparse else "twophase"
-    return {"flat": flat, "flat_s": float(pick["flat_s"]), "node": NODE_PREFIX + inner, "node_s": float(pick["node_s"])}
+    return {"flat": flat, "flat_s": float(flat_s), "node": NODE_PREFIX + inner, "node_s": float(min(node_t.values()))}
 
 
 def _choose_flat(comp: Compressor, mode: str, numel: int, size: int, link: Optional[cost.LinkModel]) -> str:
@@ -151,9 +185,7 @@ def _choose_flat(comp: Compressor, mode: str, numel: int, size: int, link: Optio
         return "allgather"
     if mode == "twophase":
         return scalable
-    payload = estimated_payload_bytes(comp, numel)
-    t_gather = cost.predict("allgather", numel, payload, size, link or cost.LinkModel())
-    if comp.sparse and hasattr(comp, "ratio"):  # priced as the sparse reduce-scatter sends (as the planner does)
-        payload = sparse_rs_payload(comp, [numel], size)
-    t_scalable = cost.predict("twophase", numel, payload, size, link or cost.LinkModel())
+    link = link or cost.LinkModel()
+    t_gather = cost.predict("allgather", numel, route_payload(comp, "allgather", [numel], size), size, link)
+    t_scalable = cost.predict("twophase", numel, route_payload(comp, scalable, [numel], size), size, link)
     return scalable if t_scalable < t_gather - 1e-15 else "allgather"

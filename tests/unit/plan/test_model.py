@@ -100,7 +100,8 @@ def test_sparse_reduce_scatter_bytes_are_its_steady_state_after_the_first_rebala
 
 
 @pytest.mark.parametrize("spec,collective", [("topk:ratio=0.01", "allgather"), ("sig:ratio=0.01", "allgather"),
-                                             ("qsgd:bits=8", "allgather"), ("dgc:ratio=0.01", "alltoall")])
+                                             ("qsgd:bits=8", "allgather"), ("dgc:ratio=0.01", "alltoall"),
+                                             ("dgc:ratio=0.01,mode=exact,scope=layer", "allgather")])
 def test_allgather_priced_by_whether_the_ranks_know_the_sizes(spec, collective):
     """A bucket-wide top-k sends one flat record whose size every rank knows: a sized allgather.
     dgc's sampled count is read first: the route then gathers by an alltoall."""

@@ -210,6 +210,11 @@ def test_command_line_writes_table_json_and_plot(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hvd_ext.plan", "--params", "1e6", "--cluster", "nope"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "dgx-a100" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "hvd_ext.plan", "--params", "1e6", "--compute-ms", "5",
+                          "--methods", "threshold"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "accepted: codecs of a fixed size" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_presets_cite_their_sources():

@@ -68,6 +68,21 @@ def test_route_choice_on_nodes():
     assert choose_route(c("qsgd:bits=8"), "auto", 1000, 2) == "allgather"  # no exchange given: flat as before
 
 
+def test_node_aware_choice_prices_the_flat_route_it_names():
+    """Across nodes the flat time set against the node-aware one is the flat route's own, priced as
+    that route sends (the sparse reduce-scatter's pairs, the allgather's codec payload)."""
+    from hvd_ext.exchange.routes import route_options, route_payload
+
+    two_by_two, model = _Ex(Topology(0, 2, 0, 2)), cost.NodeModel()
+    for spec in ("topk:ratio=0.01", "topk:ratio=0.01,values=fp16", "qsgd:bits=8"):
+        comp = hvd_ext.compression_from_spec(spec)
+        for n in (10 ** 4, 10 ** 6, 10 ** 7):
+            opts = route_options(comp, "auto", n, 4, exchange=two_by_two, model=model)
+            kind = "twophase" if opts["flat"] in ("twophase", "sparse_rs") else opts["flat"]
+            own = cost.predict_flat(kind, n, route_payload(comp, opts["flat"], [n], 4), 2, 2, model)
+            assert opts["flat_s"] == pytest.approx(own, rel=1e-9), (spec, n, opts)
+
+
 def test_route_choice_follows_the_measured_links():
     """The node-aware route is taken by the exchange's node model (measured links), not by constants:
     a slow inter-node link makes it node-aware, a node whose own link is the slow one makes it flat;
