@@ -32,7 +32,7 @@ from ..compression.base import Compressor, TensorInfo
 from ..exchange import cost
 from ..exchange.core import frame_size
 from ..exchange.routes import codec_node_aware_reason, estimated_payload_bytes, route_payload
-from ..exchange.routes.twophase import segments
+from ..exchange.routes.base import segments
 from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
 from ..spec import compression_from_spec
 
@@ -268,7 +268,7 @@ def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: 
     """One rank's bytes for a bucket of tensors of ``shapes`` on ``route`` (over ``parts`` ranks):
     an allreduce carries the payloads bare; the allgather one frame (:func:`hvd_ext.exchange.core.frame_size`:
     flag, count and lengths ahead of the payloads); the two-phase route cuts the bucket into
-    ``parts`` shards coded per segment (:func:`hvd_ext.exchange.routes.twophase.segments`), one
+    ``parts`` shards coded per segment (:func:`hvd_ext.exchange.routes.base.segments`), one
     frame each, every frame with as many slots as the fullest shard; the sparse reduce-scatter as
     :func:`sparse_payload` (``local``: ranks per node, for its node-aware route)."""
     if comp.collective == "allreduce":

@@ -18,7 +18,25 @@ import torch
 from ...compression.base import Compressor, TensorInfo
 from ...feedback.base import shared_entries, with_shared
 from ..core import Exchange
+from ..transport import offsets, split_sizes
 
+
+
+def segments(sizes: List[int], parts: int) -> List[List[Tuple[int, int, int]]]:
+    """For each shard j: [(tensor index, start, end)] -- the pieces of the tensors (flat ranges)
+    that fall in shard j when the tensors of ``sizes`` are concatenated and cut into ``parts``."""
+    total = sum(sizes)
+    bounds = offsets(split_sizes(total, parts))
+    starts = [a for a, _ in offsets(sizes)]
+    out: List[List[Tuple[int, int, int]]] = []
+    for lo, hi in bounds:
+        segs = []
+        for i, (s, n) in enumerate(zip(starts, sizes)):
+            a, b = max(lo, s), min(hi, s + n)
+            if a < b:
+                segs.append((i, a - s, b - s))
+        out.append(segs)
+    return out
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ from ..probe import node_links_setting
 from ..transport import NodeGroupsUnavailable, horovod_elastic
 from .base import NODE_PREFIX
 from .sparse_rs import expected_wire
-from .twophase import segments
+from .base import segments
 
 _warned = set()
 

@@ -51,7 +51,7 @@ from ...compression.base import TensorInfo
 from ...ops.device import nonfinite as nonfinite_flag
 from ..transport import offsets, split_sizes
 from .base import NODE_PREFIX, Route, TensorRecord, flat_record, make_route, register, split_flat
-from .twophase import segments
+from .base import segments
 
 @register
 class NodeAwareRoute(Route):

@@ -31,7 +31,6 @@ received pairs are counted from the frames' sizes, which the transport knows.
 """
 from __future__ import annotations
 
-import bisect
 import math
 import time
 from typing import Sequence, Tuple
@@ -43,7 +42,7 @@ from ...ops.device import compact, in_range, read, upload
 from ...ops.select import FP16_MAX, topk_indices
 from ..core import frame_size
 from ..transport import offsets, split_sizes
-from .base import OwnerMemory, Route, register
+from .base import OwnerMemory, Route, register, segments
 
 REBALANCE_EVERY = 16
 IMBALANCE = 1.5
@@ -71,17 +70,8 @@ def expected_wire(sizes: Sequence[int], selected: Sequence[float], size: int, va
     if N < 2:
         return 0.0
     spans = split_sizes(sum(sizes), N)
-    edges = [0]
-    for sp in spans:
-        edges.append(edges[-1] + sp)
-    counts = [0.0] * N
-    start = 0
-    for n, k in zip(sizes, selected):
-        j = max(bisect.bisect_right(edges, start) - 1, 0)
-        while n and j < N and edges[j] < start + n:   # the owner ranges this tensor overlaps
-            counts[j] += k * (min(start + n, edges[j + 1]) - max(start, edges[j])) / n
-            j += 1
-        start += n
+    # each owner range's share of every tensor it overlaps (the pieces the two-phase route cuts)
+    counts = [sum(selected[i] * (b - a) / sizes[i] for i, a, b in shard) for shard in segments(list(sizes), N)]
     frame = frame_size([0])  # a frame of one payload: header + length, then the payload's bytes
     first = [frame + c * pair_bytes(sp, value_dtype) for c, sp in zip(counts, spans)]
     second = [frame + math.ceil(c - 1e-9) * pair_bytes(sp, torch.float32) for c, sp in zip(counts, spans)]

@@ -24,30 +24,12 @@ phases' headers, so a NaN on any rank reaches every rank.
 from __future__ import annotations
 
 import time
-from typing import List, Tuple
+from typing import List
 
 import torch
 
 from ...compression.base import TensorInfo
-from ..transport import offsets, split_sizes
-from .base import Route, TensorRecord, known_sizes, register
-
-
-def segments(sizes: List[int], parts: int) -> List[List[Tuple[int, int, int]]]:
-    """For each shard j: [(tensor index, start, end)] -- the pieces of the tensors (flat ranges)
-    that fall in shard j when the tensors of ``sizes`` are concatenated and cut into ``parts``."""
-    total = sum(sizes)
-    bounds = offsets(split_sizes(total, parts))
-    starts = [a for a, _ in offsets(sizes)]
-    out: List[List[Tuple[int, int, int]]] = []
-    for lo, hi in bounds:
-        segs = []
-        for i, (s, n) in enumerate(zip(starts, sizes)):
-            a, b = max(lo, s), min(hi, s + n)
-            if a < b:
-                segs.append((i, a - s, b - s))
-        out.append(segs)
-    return out
+from .base import Route, TensorRecord, known_sizes, register, segments
 
 
 @register

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from hvd_ext.exchange.routes.twophase import segments
+from hvd_ext.exchange.routes.base import segments
 from hvd_ext.testing.harness import run_pipeline
 
 from helpers.simgrads import make_grads, mean_of, relerr
