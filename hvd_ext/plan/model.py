@@ -264,6 +264,24 @@ def gathered_sizes(comp: Compressor, shapes: Sequence[tuple]) -> Optional[List[i
     return None if any(z is None for z in sizes) else [int(z) for z in sizes]
 
 
+def recoded_sizes_known(comp: Compressor, shapes: Sequence[tuple], parts: int) -> bool:
+    """Whether the two-phase route's second phase (owners' re-coded shards) is an allgather of sizes
+    every rank knows: ``Compressor.payload_size(recoded=True)`` of every owner segment
+    (:func:`hvd_ext.exchange.routes.base.segments`), as the route asks it; else an alltoall."""
+    shards = segments([math.prod(s) for s in shapes], parts)
+    return all(comp.payload_size(TensorInfo(name=f"t{i}@{a}:owner", shape=torch.Size([b - a]), step=STEADY_STEP),
+                                 recoded=True) is not None for shard in shards for i, a, b in shard)
+
+
+def sizes_known(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int) -> bool:
+    """Whether ``route``'s gather carries sizes every rank knows (then an allgather, else an alltoall)."""
+    if route == "allgather":
+        return gathered_sizes(comp, shapes) is not None
+    if route == "twophase":
+        return recoded_sizes_known(comp, shapes, parts)
+    return True  # an allreduce, or the sparse reduce-scatter (two alltoalls whatever the sizes)
+
+
 def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int = 1) -> float:
     """One rank's bytes for a bucket of tensors of ``shapes`` on ``route`` (over ``parts`` ranks):
     an allreduce carries the payloads bare; the allgather one frame (:func:`hvd_ext.exchange.core.frame_size`:
@@ -304,9 +322,7 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
         if route.startswith("node:"):
             costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c))
         else:
-            known = gathered_sizes(comp, shapes) is not None if route == "allgather" else \
-                all(comp.wire_bytes(math.prod(s)) is not None for s in shapes)
-            costs.append(flat_cost(route, n, payload, enc, dec, c, known))
+            costs.append(flat_cost(route, n, payload, enc, dec, c, sizes_known(comp, shapes, route, parts)))
     return costs
 
 

@@ -35,7 +35,7 @@ def estimated_payload_bytes(comp: Compressor, numel: int) -> float:
         ratio = float(getattr(comp, "ratio", 0.01))
         vb = 2 if getattr(comp, "values", "fp32") == "fp16" else 4
         return math.ceil(ratio * numel) * (vb + 2)
-    bits = float(getattr(comp, "bits", 0) or getattr(comp, "budget", 0) or 8)
+    bits = float(getattr(comp, "budget", 0) or getattr(comp, "bits", 0) or 8)  # a budget replaces bits
     return numel * bits / 8.0
 
 

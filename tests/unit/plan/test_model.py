@@ -39,6 +39,7 @@ CASES = [
     ("efsignsgd:exchange=allgather", "allgather", 0.0),
     ("qsgd:bits=4,exchange=twophase", "twophase", 0.005),
     ("efsignsgd:exchange=twophase", "twophase", 0.005),
+    ("qdist:budget=2.5,exchange=twophase", "twophase", 0.06),  # bits per layer allocated from the gradients
     ("topk:ratio=0.01,exchange=twophase", "sparse_rs", 0.05),
     ("topk:ratio=0.01,scope=layer,exchange=twophase", "sparse_rs", 0.05),
     ("topk:ratio=0.01,feedback=dgc_momentum,exchange=twophase", "sparse_rs", 0.05),
@@ -109,6 +110,16 @@ def test_allgather_priced_by_whether_the_ranks_know_the_sizes(spec, collective):
     c = Cluster(1, 4, LinkModel(), LinkModel(), codec={spec.split(":")[0]: float("inf")}, collective_lat=lat)
     costs = codec_costs(spec, compression_from_spec(spec), "allgather", [SHAPES], c)
     assert costs[0].latency == lat[collective]
+
+
+@pytest.mark.parametrize("spec", ["qsgd:bits=8", "qdist:budget=4"])
+def test_two_phase_gathers_the_owners_recoded_shards_by_a_sized_allgather(spec):
+    """The owners re-code at sizes every rank knows -- under qdist's budget too, whose first phase
+    sizes only the sender knows: an alltoall, then an allgather."""
+    lat = {"allreduce": 1e-3, "allgather": 2e-3, "alltoall": 7e-3}
+    c = Cluster(1, 4, LinkModel(), LinkModel(), codec={spec.split(":")[0]: float("inf")}, collective_lat=lat)
+    costs = codec_costs(spec, compression_from_spec(spec), "twophase", [SHAPES], c)
+    assert costs[0].latency == lat["alltoall"] + lat["allgather"]
 
 
 def test_a_codec_whose_count_the_data_decides_is_refused():
