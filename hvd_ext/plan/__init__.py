@@ -193,9 +193,10 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
             raise ValueError(f"plan: unknown cluster {cluster!r}; accepted: {', '.join(presets.CLUSTERS)}")
         cluster = presets.CLUSTERS[cluster]
     links = (calibration or {}).get("links", {})
-    intra = intra or (cost.LinkModel(**links["intra"]) if "intra" in links else None) or (
+    link = lambda k: cost.LinkModel(alpha=links[k]["alpha"], bandwidth=links[k]["bandwidth"])  # noqa: E731
+    intra = intra or (link("intra") if "intra" in links else None) or (
         cluster.intra if cluster is not None else None)
-    inter = inter or (cost.LinkModel(**links["inter"]) if "inter" in links else None) or (
+    inter = inter or (link("inter") if "inter" in links else None) or (
         cluster.inter if cluster is not None else intra)
     local = gpus_per_node or (cluster.gpus_per_node if cluster is not None else (calibration or {}).get("local"))
     if intra is None or local is None:
@@ -218,10 +219,13 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
     hv_lat = (hv.get("busy_lat_by_kind") or hv.get("lat_by_kind") or {}).get("allreduce", hv["lat"]) if hv else None
     base = hv or flat  # Horovod's float32 allreduce, against which its float16 one is measured
     h16 = links.get("horovod_fp16") if same_world and "bandwidth" in flat else None
+    node_lat = {k: dict(links[k]["busy_lat_by_kind"]) for k in ("intra", "inter")
+                if same_world and "busy_lat_by_kind" in links.get(k, {})}
     return Cluster(nodes, local, intra, inter, codec, codec_on_compute=device == "cpu", codec_fixed=fixed,
                    collective_lat=lat, horovod_lat=hv_lat,
                    horovod_slowdown=flat["bandwidth"] / hv["bandwidth"] if hv else 1.0,
-                   horovod_fp16_slowdown=base["bandwidth"] / h16["bandwidth"] if h16 else 1.0), device
+                   horovod_fp16_slowdown=base["bandwidth"] / h16["bandwidth"] if h16 else 1.0,
+                   node_lat=node_lat), device
 
 
 def predict_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster, methods: Iterable[str],

@@ -86,8 +86,9 @@ class _Job:
     ranks' mean of a list of floats."""
 
     def __init__(self, ex, device, transport=None):
-        self.ex, self.N, self.device = ex, ex.size, device
+        self.ex, self.device = ex, device
         self.top = transport if transport is not None else ex.transport
+        self.N = self.top.size()  # the transport's group (a node, or the same local rank across nodes)
 
     def allreduce(self, t, name, op="sum"):
         return self.top.wait(self.top.allreduce_async(t, name, op=op))
@@ -165,9 +166,11 @@ def _measure_compute(job: _Job, step: Callable[[], Any], steps: int, runs: int =
 
 
 def _measure_busy_latency(job: _Job, step: Callable[[], Any], steps: int, tag: str = "busy",
-                          kinds: Sequence[str] = calibration.COLLECTIVES) -> Dict[str, float]:
-    """Each kind of collective's seconds right after a ``step`` on every rank (the ranks' mean of
-    the median over ``steps`` tries): the fixed cost a collective has inside a training step."""
+                          kinds: Sequence[str] = calibration.COLLECTIVES,
+                          agree: Optional[_Job] = None) -> Dict[str, float]:
+    """Each kind of collective's seconds right after a ``step`` on every rank (the mean over all
+    ranks, ``agree``'s, of the median over ``steps`` tries): the fixed cost a collective has inside
+    a training step."""
     run = job.small_collectives(tag)
     medians = []
     for kind in kinds:
@@ -178,7 +181,15 @@ def _measure_busy_latency(job: _Job, step: Callable[[], Any], steps: int, tag: s
             run[kind]()
             times.append(time.perf_counter() - t0)
         medians.append(statistics.median(times))
-    return dict(zip(kinds, job.mean(medians)))
+    return dict(zip(kinds, (agree or job).mean(medians)))
+
+
+def _measure_node_busy_latency(job: _Job, step: Callable[[], Any], steps: int, links: Dict[str, Any]) -> None:
+    """Across nodes, the same inside a step for the node-aware route's two groups (its ranks' node,
+    and the ranks of its local rank on every node), into ``links["intra"]`` and ``links["inter"]``."""
+    for key, ex in zip(("intra", "inter"), job.ex.node_exchanges()):
+        links[key]["busy_lat_by_kind"] = _measure_busy_latency(_Job(job.ex, job.device, ex.transport), step,
+                                                               steps, f"{key}.busy", agree=job)
 
 
 def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
@@ -205,6 +216,8 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     if step is not None:
         out["compute_s"] = _measure_compute(job, step, steps)
         links["flat"]["busy_lat_by_kind"] = _measure_busy_latency(job, step, steps)
+        if nodes > 1 and local > 1:
+            _measure_node_busy_latency(job, step, steps, links)
     hjob = job
     if getattr(job.top, "sleeps", False):  # hvd_ext waits otherwise than Horovod here: time Horovod's own allreduce too
         hjob = _Job(job.ex, device, HorovodTransport(wait="spin"))

@@ -61,7 +61,10 @@ class Cluster:
     ``horovod_lat`` / ``horovod_slowdown``: where Horovod's own allreduce waits otherwise than hvd_ext's
     (ranks share cores, :mod:`hvd_ext.exchange.waiting`), its measured fixed seconds and how many times
     slower it moves bytes than the flat link (:func:`horovod_view`); ``horovod_fp16_slowdown``: how
-    many times slower per byte Horovod's float16 allreduce is than its float32 one (measured)."""
+    many times slower per byte Horovod's float16 allreduce is than its float32 one (measured);
+    ``node_lat``: the fixed seconds of each collective of the node-aware route's groups (``intra``:
+    a node's ranks, ``inter``: one local rank on every node), measured inside a step: they replace
+    messages x alpha on that route."""
 
     nodes: int
     local: int
@@ -74,6 +77,7 @@ class Cluster:
     horovod_lat: Optional[float] = None
     horovod_slowdown: float = 1.0
     horovod_fp16_slowdown: float = 1.0
+    node_lat: Dict[str, Dict[str, float]] = field(default_factory=dict)  # "intra"/"inter": seconds per collective
 
     @property
     def size(self) -> int:
@@ -137,14 +141,21 @@ def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: 
     return BucketCost(numel, wire, nic, lat, code, lat + nic / link.bandwidth)
 
 
-def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: float, c: Cluster) -> BucketCost:
+def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
+                    sizes_known: bool = True) -> BucketCost:
+    """The node-aware route (:mod:`hvd_ext.exchange.routes.hierarchical`): a dense reduce-scatter (an
+    alltoall) and allgather inside the node, ``inner`` across nodes on a 1/L shard."""
     L, M = c.local, c.nodes
     D = 4.0 * numel
     intra_wire = 2.0 * (L - 1) / L * D
     intra_lat = 2.0 * (L - 1) * c.intra.alpha
+    if "intra" in c.node_lat:
+        intra_lat = c.node_lat["intra"]["alltoall"] + c.node_lat["intra"]["allgather"]
     wire, code = cost.route_wire_and_code(inner, M, payload / L, enc / L, dec / L)
     base = "twophase" if inner == "sparse_rs" else inner
     lat = cost.per_rank(base, max(numel // L, 1), payload / L, M)["messages"] * c.inter.alpha
+    if "inter" in c.node_lat:
+        lat = sum(c.node_lat["inter"][k] for k in route_collectives(inner, sizes_known))
     nic = L * wire
     link_s = intra_lat + intra_wire / c.intra.bandwidth + lat + nic / c.inter.bandwidth
     return BucketCost(numel, intra_wire + wire, nic, intra_lat + lat, code, link_s)
@@ -214,7 +225,7 @@ def horovod_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster) -> List[
             enc = codec_seconds(spec, n, hc) if spec else 0.0
             costs.append(flat_cost("allreduce", n, width * n, enc, enc, hc))
         rows.append(make_row(label, None, "allreduce", costs, compute_s, hc))
-    c = horovod_view(c)
+    c = dataclasses.replace(horovod_view(c), node_lat={})  # its own groups, not hvd_ext's (not measured)
     if c.nodes > 1 and c.local > 1:
         costs = [node_aware_cost("allreduce", n, 4.0 * n, 0.0, 0.0, c) for n in buckets]
         rows.append(make_row("horovod hierarchical", None, "node:allreduce", costs, compute_s, c,
@@ -320,7 +331,8 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
         payload = payload_bytes(comp, shapes, route, parts, c.local)
         enc = dec = codec_seconds(spec, n, c)
         if route.startswith("node:"):
-            costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c))
+            costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c,
+                                         sizes_known(comp, shapes, route[5:], parts)))
         else:
             costs.append(flat_cost(route, n, payload, enc, dec, c, sizes_known(comp, shapes, route, parts)))
     return costs
