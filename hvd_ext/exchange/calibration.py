@@ -16,6 +16,8 @@ Format (JSON)::
                "horovod_fp16": {"lat": s, "bandwidth": B/s of float16}},  # optional: Horovod's fp16 sum
      "codec": {"<spec>": elements per second of one encode or decode pass, ...},
      "codec_fixed_s": {"<spec>": seconds one pass costs whatever its size, ...},
+     "codec_compiled": {"<spec>": elements per second of a call of compile_min elements or more},  # optional:
+     "compile_min": elements,  # a CPU, where calls of compile_min elements or more run compiled
      "compute_s": optional seconds of one step's forward + backward}
 
 Set ``HVD_EXT_CALIBRATION=path`` for a job: ``auto`` then takes the flat link from the file instead
@@ -70,6 +72,11 @@ def load(path: str) -> Dict[str, Any]:
     for spec, v in cal.get("codec", {}).items():
         if not isinstance(v, (int, float)) or v <= 0:
             raise _bad(path, f"codec speed of {spec!r} must be a number > 0, got {v!r}")
+    for spec, v in cal.get("codec_compiled", {}).items():
+        if not isinstance(v, (int, float)) or v <= 0:
+            raise _bad(path, f"codec_compiled speed of {spec!r} must be a number > 0, got {v!r}")
+    if "codec_compiled" in cal and (not isinstance(cal.get("compile_min"), int) or cal["compile_min"] < 1):
+        raise _bad(path, "codec_compiled needs compile_min, the elements from which a call runs compiled (an int >= 1)")
     for spec, v in cal.get("codec_fixed_s", {}).items():
         if not isinstance(v, (int, float)) or v < 0:
             raise _bad(path, f"codec_fixed_s of {spec!r} must be a number >= 0, got {v!r}")

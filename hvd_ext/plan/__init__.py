@@ -221,7 +221,9 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
     h16 = links.get("horovod_fp16") if same_world and "bandwidth" in flat else None
     node_lat = {k: dict(links[k]["busy_lat_by_kind"]) for k in ("intra", "inter")
                 if same_world and "busy_lat_by_kind" in links.get(k, {})}
+    compiled = dict((calibration or {}).get("codec_compiled", {}))
     return Cluster(nodes, local, intra, inter, codec, codec_on_compute=device == "cpu", codec_fixed=fixed,
+                   codec_compiled=compiled, compile_min=(calibration or {}).get("compile_min") if compiled else None,
                    collective_lat=lat, horovod_lat=hv_lat,
                    horovod_slowdown=flat["bandwidth"] / hv["bandwidth"] if hv else 1.0,
                    horovod_fp16_slowdown=base["bandwidth"] / h16["bandwidth"] if h16 else 1.0,

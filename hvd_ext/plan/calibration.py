@@ -12,7 +12,10 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
   :func:`hvd_ext.exchange.probe.measure_node_model`; on one node the intra link is the flat one;
 * **codec speed** -- every listed spec (and ``auto``'s candidates) compresses and decodes a small
   (16k elements) and a ``codec_numel``-element gradient on this rank's device (CUDA when there is
-  one), CUDA events around the work: a fixed cost per pass and elements per second, the ranks' mean;
+  one), CUDA events around the work: a fixed cost per pass and elements per second, the ranks' mean.
+  On a CPU, where tensors of ``HVD_EXT_COMPILE_MIN`` elements and more run compiled and smaller ones
+  eagerly (:mod:`hvd_ext.ops.cpu_kernels`), the speed is fitted below that size, and the compiled
+  speed at ``codec_numel`` is kept apart (``codec_compiled``, with ``compile_min``);
 * **compute** -- only when a ``step`` callable is given to :func:`measure` (the API): its seconds
   per call in runs of calls back to back, as training runs them (:func:`_measure_compute`); and
   then also each kind of collective **in a step** (``busy_lat_by_kind``): a small allreduce,
@@ -40,6 +43,7 @@ from ..auto import DEFAULT_CANDIDATES
 from ..compression.base import Continue, TensorInfo
 from ..exchange import calibration, cost
 from ..exchange.probe import best_time
+from ..ops.cpu_kernels import MIN_NUMEL, compile_enabled
 from ..ops.device import Timer
 from ..spec import compression_from_spec
 
@@ -74,11 +78,17 @@ def time_codec(spec: str, numel: int, device, reps: int = 3) -> float:
 
 
 def fit_codec(spec: str, numel: int, device) -> tuple:
-    """(fixed seconds per pass, elements per second) of ``spec``, from a small and a large tensor."""
+    """(fixed seconds per pass, elements per second) of ``spec`` as the job's tensors run it, from a
+    small and a mid-sized tensor, and the elements per second at ``numel`` where that size runs
+    compiled and the smaller ones do not (:func:`hvd_ext.ops.cpu_kernels.compile_enabled`; else 0):
+    on a CPU a layer below the compile threshold runs eagerly, several times slower per element."""
     small = 16 * 1024
-    t_small, t_large = time_codec(spec, small, device), time_codec(spec, numel, device)
-    speed = (numel - small) / max(t_large - t_small, 1e-9)
-    return max(t_small - small / speed, 0.0), speed
+    compiled = compile_enabled(numel, device) and not compile_enabled(small, device)
+    mid = min(numel, max(4 * small, MIN_NUMEL // 4)) if compiled else numel
+    t_small, t_mid = time_codec(spec, small, device), time_codec(spec, mid, device)
+    speed = (mid - small) / max(t_mid - t_small, 1e-9)
+    fixed = max(t_small - small / speed, 0.0)
+    return fixed, speed, (numel / max(time_codec(spec, numel, device) - fixed, 1e-9) if compiled else 0.0)
 
 
 class _Job:
@@ -210,9 +220,12 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     fits = job.mean([v for s in specs for v in fit_codec(s, codec_numel, device)])
     out: Dict[str, Any] = {"version": calibration.VERSION, "ranks": job.N, "nodes": nodes, "local": local,
                            "device": device.type, "links": links,
-                           "codec": {s: fits[2 * i + 1] for i, s in enumerate(specs)},
-                           "codec_fixed_s": {s: fits[2 * i] for i, s in enumerate(specs)},
+                           "codec": {s: fits[3 * i + 1] for i, s in enumerate(specs)},
+                           "codec_fixed_s": {s: fits[3 * i] for i, s in enumerate(specs)},
                            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    if any(fits[3 * i + 2] > 0 for i in range(len(specs))):  # (the same on every rank: the ranks' mean)
+        out["codec_compiled"] = {s: fits[3 * i + 2] for i, s in enumerate(specs) if fits[3 * i + 2] > 0}
+        out["compile_min"] = MIN_NUMEL
     if step is not None:
         out["compute_s"] = _measure_compute(job, step, steps)
         links["flat"]["busy_lat_by_kind"] = _measure_busy_latency(job, step, steps)

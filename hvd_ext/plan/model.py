@@ -64,7 +64,8 @@ class Cluster:
     many times slower per byte Horovod's float16 allreduce is than its float32 one (measured);
     ``node_lat``: the fixed seconds of each collective of the node-aware route's groups (``intra``:
     a node's ranks, ``inter``: one local rank on every node), measured inside a step: they replace
-    messages x alpha on that route."""
+    messages x alpha on that route; ``codec_compiled``: on a CPU, the elements per second of a codec
+    call of ``compile_min`` elements or more, which runs compiled (``codec``: the smaller, eager ones)."""
 
     nodes: int
     local: int
@@ -78,6 +79,8 @@ class Cluster:
     horovod_slowdown: float = 1.0
     horovod_fp16_slowdown: float = 1.0
     node_lat: Dict[str, Dict[str, float]] = field(default_factory=dict)  # "intra"/"inter": seconds per collective
+    codec_compiled: Dict[str, float] = field(default_factory=dict)  # elements/s of a call of compile_min or more
+    compile_min: Optional[int] = None
 
     @property
     def size(self) -> int:
@@ -118,8 +121,11 @@ def family(spec: str) -> str:
 
 
 def codec_seconds(spec: str, numel: int, cluster: Cluster) -> float:
-    """Seconds of one encode (or decode) pass over ``numel`` elements."""
+    """Seconds of one encode (or decode) call on ``numel`` elements (at the compiled speed where
+    the calibration measured one and the call is large enough to run compiled)."""
     speed = cluster.codec.get(spec, cluster.codec.get(family(spec)))
+    if cluster.compile_min is not None and numel >= cluster.compile_min:
+        speed = cluster.codec_compiled.get(spec, cluster.codec_compiled.get(family(spec), speed))
     if speed is None or speed <= 0:
         raise ValueError(f"plan: no codec speed for {spec!r}; give one (--measure, or the table in "
                          "hvd_ext.plan.presets)")
@@ -322,6 +328,22 @@ def sparse_payload(comp: Compressor, shapes: Sequence[tuple], route: str, parts:
                          local if route.startswith("node:") else 1)
 
 
+def codec_calls(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int = 1) -> List[int]:
+    """The elements of each codec call of one pass over a bucket of ``shapes`` on ``route`` (over
+    ``parts`` ranks), as the route makes them: one flat record for a ``bucket_flat`` codec, else one
+    per tensor; the two-phase route codes each tensor's piece of each shard
+    (:func:`hvd_ext.exchange.routes.base.segments`); the node-aware route codes one flat shard of
+    1/``local`` of the bucket per rank, cut again by a two-phase route across the nodes."""
+    numels = [math.prod(s) for s in shapes]
+    if route.startswith("node:"):
+        numels = [max(sum(numels) // local, 1)]
+    elif comp.bucket_flat:
+        numels = [sum(numels)]
+    if route.endswith("twophase") and parts > 1:
+        return [b - a for shard in segments(numels, parts) for _, a, b in shard]
+    return numels
+
+
 def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Sequence[tuple]],
                 c: Cluster) -> List[BucketCost]:
     costs = []
@@ -329,7 +351,10 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
     for shapes in buckets:
         n = numel_of(shapes)
         payload = payload_bytes(comp, shapes, route, parts, c.local)
-        enc = dec = codec_seconds(spec, n, c)
+        # one pass over the bucket: its calls each at its own size (on the node-aware route the
+        # L ranks' shards together, node_aware_cost takes this rank's 1/L)
+        enc = dec = sum(codec_seconds(spec, k, c) for k in codec_calls(comp, shapes, route, parts, c.local)) * (
+            c.local if route.startswith("node:") else 1)
         if route.startswith("node:"):
             costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c,
                                          sizes_known(comp, shapes, route[5:], parts)))

@@ -122,6 +122,29 @@ def test_two_phase_gathers_the_owners_recoded_shards_by_a_sized_allgather(spec):
     assert costs[0].latency == lat["alltoall"] + lat["allgather"]
 
 
+@pytest.mark.parametrize("spec,route,calls", [
+    ("qsgd:bits=8", "allgather", [2560, 64, 24576, 128, 5120, 10]),       # one call per tensor
+    ("topk:ratio=0.01", "allgather", [32458]),                             # one flat record per bucket
+    ("qsgd:bits=8", "twophase", [2560, 64, 13605, 10971, 128, 5120, 10]),  # each tensor's piece of each shard
+    ("qsgd:bits=8", "node:twophase", [4057, 4057]),                         # this rank's 1/L shard, cut over 2 nodes
+])
+def test_codec_priced_per_call_at_each_calls_speed(spec, route, calls):
+    """A pass over a bucket costs what the route's codec calls cost, each at its size's speed: the fixed
+    cost once per call, and on a CPU the compiled speed only for calls of compile_min elements or more."""
+    from hvd_ext.plan.model import codec_calls
+    comp = compression_from_spec(spec)
+    parts, local = (2, 4) if route.startswith("node:") else (2, 1)
+    assert codec_calls(comp, SHAPES, route, parts, local) == calls
+    fam, fixed, eager, fast, big = spec.split(":")[0], 1e-4, 1e8, 1e9, 5000
+    c = Cluster(parts if route.startswith("node:") else 1, local if route.startswith("node:") else 2,
+                LinkModel(), LinkModel(), codec={fam: eager}, codec_fixed={fam: fixed},
+                codec_compiled={fam: fast}, compile_min=big)
+    cost = codec_costs(spec, comp, route, [SHAPES], c)[0]
+    per_pass = sum(fixed + k / (fast if k >= big else eager) for k in calls) * (local if route.startswith("node:") else 1)
+    whole = {"allgather": per_pass * (1 + 2), "twophase": 2 * 2 * per_pass, "node:twophase": 2 * 2 * per_pass / local}
+    assert cost.code == pytest.approx(whole[route], rel=1e-9)
+
+
 def test_a_codec_whose_count_the_data_decides_is_refused():
     with pytest.raises(ValueError, match="'threshold'.*cannot be predicted.*accepted: codecs of a fixed size"):
         plan(SHAPES, compute_s=0.0, cluster=None, nodes=1, gpus_per_node=2, device="cpu", methods=["threshold"],

@@ -211,6 +211,8 @@ def test_horovods_own_allreduce_prices_only_horovods_rows():
      "links.horovod.busy_lat_by_kind maps"),
     ({"version": 1, "links": {"inter": {"alpha": 1e-5, "bandwidth": 1e8, "busy_lat_by_kind": {"gather": 0.1}}}},
      "links.inter.busy_lat_by_kind maps"),
+    ({"version": 1, "codec_compiled": {"qsgd": 1e9}}, "codec_compiled needs compile_min"),
+    ({"version": 1, "codec_compiled": {"qsgd": 0}, "compile_min": 10}, "codec_compiled speed of 'qsgd'"),
     ({"version": 2}, "version must be 1"),
     ({"version": 1, "links": {"inter": {"alpha": 1e-5}}}, "links.inter needs alpha and bandwidth"),
     ({"version": 1, "codec": {"topk": 0}}, "codec speed of 'topk'"),
@@ -251,3 +253,21 @@ def test_presets_cite_their_sources():
         assert len(c.source) > 40 and c.inter.bandwidth > 0
     for m in MODELS.values():
         assert len(m.source) > 40
+
+
+def test_codec_speed_fitted_where_the_jobs_calls_run(monkeypatch):
+    """On a CPU the codec's speed is fitted on sizes that run as the job's layers do (below the compile
+    threshold); the speed at the large size is kept apart only when that size alone runs compiled."""
+    from hvd_ext.plan import calibration as measure
+
+    cpu = torch.device("cpu")
+    fixed, speed, compiled = measure.fit_codec("qsgd:bits=8", 64 * 1024, cpu)
+    assert speed > 0 and fixed >= 0 and compiled == 0.0  # one regime: nothing kept apart
+    seen = []
+    real = measure.time_codec
+    monkeypatch.setattr(measure, "time_codec", lambda spec, n, dev: seen.append(n) or real(spec, n, dev))
+    monkeypatch.setattr(measure, "MIN_NUMEL", 200_000)
+    monkeypatch.setattr(measure, "compile_enabled", lambda n, dev=None: n >= 200_000)
+    fixed, speed, compiled = measure.fit_codec("qsgd:bits=8", 400_000, cpu)
+    assert seen == [16 * 1024, 64 * 1024, 400_000]  # the fit stays below the threshold
+    assert speed > 0 and compiled > 0
