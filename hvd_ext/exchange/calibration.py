@@ -9,8 +9,8 @@ Format (JSON)::
                          "lat_by_kind": {"allreduce": s, "allgather": s, "alltoall": s},  # optional
                          "busy_lat_by_kind": {...}},  # optional: the same right after a step
                "intra": {"alpha": s per message, "bandwidth": B/s,      # inside a node
-                         "busy_lat_by_kind": {...}},  # optional (M > 1): the node group's, after a step
-               "inter": {"alpha": ..., "bandwidth": ..., "busy_lat_by_kind": {...}},  # between nodes (M > 1)
+                         "busy_lat_by_kind": {...}},  # optional (M > 1): a node's collectives after a step
+               "inter": {"alpha": ..., "bandwidth": ...},               # between nodes (M > 1)
                "horovod": {"lat": s, "bandwidth": B/s, "lat_by_kind": {"allreduce": s},  # optional:
                            "busy_lat_by_kind": {"allreduce": s}},  # Horovod's own wait (waiting.py)
                "horovod_fp16": {"lat": s, "bandwidth": B/s of float16}},  # optional: Horovod's fp16 sum
@@ -63,7 +63,7 @@ def load(path: str) -> Dict[str, Any]:
             if not isinstance(link, dict) or any(not isinstance(link.get(k), (int, float)) or link[k] < 0
                                                  for k in need) or link["bandwidth"] <= 0:
                 raise _bad(path, f"links.{name} needs {' and '.join(need)} (numbers, bandwidth > 0)")
-    for name in ("flat", "horovod", "intra", "inter"):
+    for name in ("flat", "horovod", "intra"):
         for key in ("lat_by_kind", "busy_lat_by_kind"):
             kinds = links.get(name, {}).get(key, {})
             if not isinstance(kinds, dict) or any(k not in COLLECTIVES or not isinstance(v, (int, float)) or v < 0

@@ -219,15 +219,14 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
     hv_lat = (hv.get("busy_lat_by_kind") or hv.get("lat_by_kind") or {}).get("allreduce", hv["lat"]) if hv else None
     base = hv or flat  # Horovod's float32 allreduce, against which its float16 one is measured
     h16 = links.get("horovod_fp16") if same_world and "bandwidth" in flat else None
-    node_lat = {k: dict(links[k]["busy_lat_by_kind"]) for k in ("intra", "inter")
-                if same_world and "busy_lat_by_kind" in links.get(k, {})}
     compiled = dict((calibration or {}).get("codec_compiled", {}))
     return Cluster(nodes, local, intra, inter, codec, codec_on_compute=device == "cpu", codec_fixed=fixed,
                    codec_compiled=compiled, compile_min=(calibration or {}).get("compile_min") if compiled else None,
-                   collective_lat=lat, horovod_lat=hv_lat,
+                   collective_lat=lat, idle_lat=dict(flat.get("lat_by_kind") or {}) if same_world else {},
+                   horovod_lat=hv_lat,
                    horovod_slowdown=flat["bandwidth"] / hv["bandwidth"] if hv else 1.0,
                    horovod_fp16_slowdown=base["bandwidth"] / h16["bandwidth"] if h16 else 1.0,
-                   node_lat=node_lat), device
+                   intra_lat=dict(links.get("intra", {}).get("busy_lat_by_kind") or {}) if same_world else {}), device
 
 
 def predict_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster, methods: Iterable[str],

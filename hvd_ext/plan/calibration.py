@@ -195,11 +195,11 @@ def _measure_busy_latency(job: _Job, step: Callable[[], Any], steps: int, tag: s
 
 
 def _measure_node_busy_latency(job: _Job, step: Callable[[], Any], steps: int, links: Dict[str, Any]) -> None:
-    """Across nodes, the same inside a step for the node-aware route's two groups (its ranks' node,
-    and the ranks of its local rank on every node), into ``links["intra"]`` and ``links["inter"]``."""
-    for key, ex in zip(("intra", "inter"), job.ex.node_exchanges()):
-        links[key]["busy_lat_by_kind"] = _measure_busy_latency(_Job(job.ex, job.device, ex.transport), step,
-                                                               steps, f"{key}.busy", agree=job)
+    """Across nodes, the same inside a step for a node's ranks (the group of the node-aware route's
+    first collective, its reduce-scatter), into ``links["intra"]``."""
+    local, _ = job.ex.node_exchanges()
+    links["intra"]["busy_lat_by_kind"] = _measure_busy_latency(_Job(job.ex, job.device, local.transport), step,
+                                                               steps, "intra.busy", agree=job)
 
 
 def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,

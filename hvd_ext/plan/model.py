@@ -56,15 +56,15 @@ class Cluster:
     ``codec``: elements per second of one encode or decode pass, per spec or codec family, on the
     device, and ``codec_fixed`` its fixed seconds per pass; ``collective_lat``: the fixed seconds of
     one allreduce, allgather and alltoall over the whole world (both measured by a calibration: they
-    replace messages x alpha on the flat routes);
+    replace messages x alpha on the flat routes), and ``idle_lat`` the same where the ranks start it
+    together (:func:`collective_seconds`);
     ``codec_on_compute``: the codec shares the compute engine (a CPU);
     ``horovod_lat`` / ``horovod_slowdown``: where Horovod's own allreduce waits otherwise than hvd_ext's
     (ranks share cores, :mod:`hvd_ext.exchange.waiting`), its measured fixed seconds and how many times
     slower it moves bytes than the flat link (:func:`horovod_view`); ``horovod_fp16_slowdown``: how
     many times slower per byte Horovod's float16 allreduce is than its float32 one (measured);
-    ``node_lat``: the fixed seconds of each collective of the node-aware route's groups (``intra``:
-    a node's ranks, ``inter``: one local rank on every node), measured inside a step: they replace
-    messages x alpha on that route; ``codec_compiled``: on a CPU, the elements per second of a codec
+    ``intra_lat``: the fixed seconds of each collective of a node's ranks, measured inside a step: the
+    node-aware route's first collective pays it (:func:`collective_seconds`); ``codec_compiled``: on a CPU, the elements per second of a codec
     call of ``compile_min`` elements or more, which runs compiled (``codec``: the smaller, eager ones)."""
 
     nodes: int
@@ -75,10 +75,11 @@ class Cluster:
     codec_on_compute: bool = False
     codec_fixed: Dict[str, float] = field(default_factory=dict)  # seconds per pass whatever the size
     collective_lat: Dict[str, float] = field(default_factory=dict)  # measured seconds per collective, flat
+    idle_lat: Dict[str, float] = field(default_factory=dict)  # the same with the ranks together (no step before)
     horovod_lat: Optional[float] = None
     horovod_slowdown: float = 1.0
     horovod_fp16_slowdown: float = 1.0
-    node_lat: Dict[str, Dict[str, float]] = field(default_factory=dict)  # "intra"/"inter": seconds per collective
+    intra_lat: Dict[str, float] = field(default_factory=dict)  # seconds per collective of a node, in a step
     codec_compiled: Dict[str, float] = field(default_factory=dict)  # elements/s of a call of compile_min or more
     compile_min: Optional[int] = None
 
@@ -133,6 +134,14 @@ def codec_seconds(spec: str, numel: int, cluster: Cluster) -> float:
     return 0.0 if math.isinf(speed) else fixed + numel / speed
 
 
+def collective_seconds(kinds: Sequence[str], first: Dict[str, float], then: Dict[str, float]) -> float:
+    """The fixed seconds of one bucket's collectives ``kinds``, run one after another: the first at
+    its cost inside a step (``first``: it waits for the slowest rank's backward), each later one at
+    its cost with the ranks together (``then``: every rank has just waited for the one before;
+    ``first`` where not measured)."""
+    return sum((first if i == 0 else then).get(k, first[k]) for i, k in enumerate(kinds))
+
+
 def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
               sizes_known: bool = True) -> BucketCost:
     N, L = c.size, c.local
@@ -143,25 +152,24 @@ def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: 
     link = c.link()
     lat = messages * link.alpha
     if c.collective_lat:
-        lat = sum(c.collective_lat[k] for k in route_collectives(kind, sizes_known))
+        lat = collective_seconds(route_collectives(kind, sizes_known), c.collective_lat, c.idle_lat)
     return BucketCost(numel, wire, nic, lat, code, lat + nic / link.bandwidth)
 
 
 def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
                     sizes_known: bool = True) -> BucketCost:
     """The node-aware route (:mod:`hvd_ext.exchange.routes.hierarchical`): a dense reduce-scatter (an
-    alltoall) and allgather inside the node, ``inner`` across nodes on a 1/L shard."""
+    alltoall) inside the node, ``inner`` across nodes on a 1/L shard, a dense allgather inside the
+    node; messages x alpha each, but the first collective at ``intra_lat`` where measured."""
     L, M = c.local, c.nodes
     D = 4.0 * numel
     intra_wire = 2.0 * (L - 1) / L * D
     intra_lat = 2.0 * (L - 1) * c.intra.alpha
-    if "intra" in c.node_lat:
-        intra_lat = c.node_lat["intra"]["alltoall"] + c.node_lat["intra"]["allgather"]
-    wire, code = cost.route_wire_and_code(inner, M, payload / L, enc / L, dec / L)
     base = "twophase" if inner == "sparse_rs" else inner
     lat = cost.per_rank(base, max(numel // L, 1), payload / L, M)["messages"] * c.inter.alpha
-    if "inter" in c.node_lat:
-        lat = sum(c.node_lat["inter"][k] for k in route_collectives(inner, sizes_known))
+    if c.intra_lat:  # the first, the reduce-scatter, waits for the slowest rank (collective_seconds)
+        intra_lat = c.intra_lat["alltoall"] + (L - 1) * c.intra.alpha
+    wire, code = cost.route_wire_and_code(inner, M, payload / L, enc / L, dec / L)
     nic = L * wire
     link_s = intra_lat + intra_wire / c.intra.bandwidth + lat + nic / c.inter.bandwidth
     return BucketCost(numel, intra_wire + wire, nic, intra_lat + lat, code, link_s)
@@ -231,7 +239,7 @@ def horovod_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster) -> List[
             enc = codec_seconds(spec, n, hc) if spec else 0.0
             costs.append(flat_cost("allreduce", n, width * n, enc, enc, hc))
         rows.append(make_row(label, None, "allreduce", costs, compute_s, hc))
-    c = dataclasses.replace(horovod_view(c), node_lat={})  # its own groups, not hvd_ext's (not measured)
+    c = dataclasses.replace(horovod_view(c), intra_lat={})  # its own groups, not hvd_ext's (not measured)
     if c.nodes > 1 and c.local > 1:
         costs = [node_aware_cost("allreduce", n, 4.0 * n, 0.0, 0.0, c) for n in buckets]
         rows.append(make_row("horovod hierarchical", None, "node:allreduce", costs, compute_s, c,
