@@ -21,7 +21,9 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
   then also each kind of collective **in a step** (``busy_lat_by_kind``): a small allreduce,
   allgather and alltoall timed right after every rank ran ``step`` -- what a collective costs in
   training, where it waits for the slowest rank's compute and, when ranks share cores, for the
-  scheduler to run every rank's part in turn. The planner uses these when present;
+  scheduler to run every rank's part in turn; across nodes also a node's alltoall so
+  (``links.intra.busy_lat_by_kind``: the node-aware route's first collective). The planner uses
+  these when present;
 * **Horovod's own allreduce** -- only where hvd_ext waits otherwise than Horovod (ranks share cores:
   :mod:`hvd_ext.exchange.waiting`): the flat allreduce again, waited for by Horovod's spinning
   ``synchronize``, for the planner's Horovod rows; and always Horovod's float16 allreduce, which
@@ -84,7 +86,7 @@ def fit_codec(spec: str, numel: int, device) -> tuple:
     on a CPU a layer below the compile threshold runs eagerly, several times slower per element."""
     small = 16 * 1024
     compiled = compile_enabled(numel, device) and not compile_enabled(small, device)
-    mid = min(numel, max(4 * small, MIN_NUMEL // 4)) if compiled else numel
+    mid = min(numel, max(4 * small, MIN_NUMEL // 4), MIN_NUMEL - 1) if compiled else numel  # eager
     t_small, t_mid = time_codec(spec, small, device), time_codec(spec, mid, device)
     speed = (mid - small) / max(t_mid - t_small, 1e-9)
     fixed = max(t_small - small / speed, 0.0)
@@ -199,7 +201,7 @@ def _measure_node_busy_latency(job: _Job, step: Callable[[], Any], steps: int, l
     first collective, its reduce-scatter), into ``links["intra"]``."""
     local, _ = job.ex.node_exchanges()
     links["intra"]["busy_lat_by_kind"] = _measure_busy_latency(_Job(job.ex, job.device, local.transport), step,
-                                                               steps, "intra.busy", agree=job)
+                                                               steps, "intra.busy", ("alltoall",), agree=job)
 
 
 def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
@@ -229,7 +231,7 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     if step is not None:
         out["compute_s"] = _measure_compute(job, step, steps)
         links["flat"]["busy_lat_by_kind"] = _measure_busy_latency(job, step, steps)
-        if nodes > 1 and local > 1:
+        if "inter" in links:  # node groups made (every node runs as many ranks: Topology.multi_node)
             _measure_node_busy_latency(job, step, steps, links)
     hjob = job
     if getattr(job.top, "sleeps", False):  # hvd_ext waits otherwise than Horovod here: time Horovod's own allreduce too

@@ -156,8 +156,7 @@ def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: 
     return BucketCost(numel, wire, nic, lat, code, lat + nic / link.bandwidth)
 
 
-def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
-                    sizes_known: bool = True) -> BucketCost:
+def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: float, c: Cluster) -> BucketCost:
     """The node-aware route (:mod:`hvd_ext.exchange.routes.hierarchical`): a dense reduce-scatter (an
     alltoall) inside the node, ``inner`` across nodes on a 1/L shard, a dense allgather inside the
     node; messages x alpha each, but the first collective at ``intra_lat`` where measured."""
@@ -167,7 +166,7 @@ def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: flo
     intra_lat = 2.0 * (L - 1) * c.intra.alpha
     base = "twophase" if inner == "sparse_rs" else inner
     lat = cost.per_rank(base, max(numel // L, 1), payload / L, M)["messages"] * c.inter.alpha
-    if c.intra_lat:  # the first, the reduce-scatter, waits for the slowest rank (collective_seconds)
+    if "alltoall" in c.intra_lat:  # the first, the reduce-scatter, waits for the slowest rank (collective_seconds)
         intra_lat = c.intra_lat["alltoall"] + (L - 1) * c.intra.alpha
     wire, code = cost.route_wire_and_code(inner, M, payload / L, enc / L, dec / L)
     nic = L * wire
@@ -336,20 +335,29 @@ def sparse_payload(comp: Compressor, shapes: Sequence[tuple], route: str, parts:
                          local if route.startswith("node:") else 1)
 
 
-def codec_calls(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int = 1) -> List[int]:
-    """The elements of each codec call of one pass over a bucket of ``shapes`` on ``route`` (over
-    ``parts`` ranks), as the route makes them: one flat record for a ``bucket_flat`` codec, else one
-    per tensor; the two-phase route codes each tensor's piece of each shard
-    (:func:`hvd_ext.exchange.routes.base.segments`); the node-aware route codes one flat shard of
-    1/``local`` of the bucket per rank, cut again by a two-phase route across the nodes."""
-    numels = [math.prod(s) for s in shapes]
-    if route.startswith("node:"):
-        numels = [max(sum(numels) // local, 1)]
-    elif comp.bucket_flat:
+def route_calls(comp: Compressor, numels: Sequence[int], route: str, parts: int) -> List[int]:
+    """The elements of each codec call one rank makes for records of ``numels`` on the flat ``route``
+    over ``parts`` ranks: one flat record for a ``bucket_flat`` codec on a route that sends whole
+    tensors (:func:`hvd_ext.exchange.routes.base.flat_record`), else one per record; the two-phase
+    route codes each record's piece of each shard (:func:`hvd_ext.exchange.routes.base.segments`)."""
+    numels = [int(n) for n in numels]
+    if comp.bucket_flat and route in ("allgather", "sparse_rs"):
         numels = [sum(numels)]
-    if route.endswith("twophase") and parts > 1:
+    if route == "twophase" and parts > 1:
         return [b - a for shard in segments(numels, parts) for _, a, b in shard]
     return numels
+
+
+def codec_calls(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int = 1) -> List[int]:
+    """The elements of each codec call of one pass over a bucket of ``shapes`` on ``route`` (over
+    ``parts`` ranks, or nodes): one rank's (:func:`route_calls`); on the node-aware route the calls
+    of all ``local`` ranks of a node, each coding the tensors' pieces of its shard of the bucket on
+    the inner route across the nodes (:func:`node_aware_cost` takes a rank's 1/L)."""
+    numels = [math.prod(s) for s in shapes]
+    if not route.startswith("node:"):
+        return route_calls(comp, numels, route, parts)
+    return [k for shard in segments(numels, local) for k in route_calls(comp, [b - a for _, a, b in shard],
+                                                                         route[5:], parts)]
 
 
 def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Sequence[tuple]],
@@ -359,13 +367,10 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
     for shapes in buckets:
         n = numel_of(shapes)
         payload = payload_bytes(comp, shapes, route, parts, c.local)
-        # one pass over the bucket: its calls each at its own size (on the node-aware route the
-        # L ranks' shards together, node_aware_cost takes this rank's 1/L)
-        enc = dec = sum(codec_seconds(spec, k, c) for k in codec_calls(comp, shapes, route, parts, c.local)) * (
-            c.local if route.startswith("node:") else 1)
+        # one pass over the bucket: its calls each at its own size (codec_calls)
+        enc = dec = sum(codec_seconds(spec, k, c) for k in codec_calls(comp, shapes, route, parts, c.local))
         if route.startswith("node:"):
-            costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c,
-                                         sizes_known(comp, shapes, route[5:], parts)))
+            costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c))
         else:
             costs.append(flat_cost(route, n, payload, enc, dec, c, sizes_known(comp, shapes, route, parts)))
     return costs

@@ -126,7 +126,9 @@ def test_two_phase_gathers_the_owners_recoded_shards_by_a_sized_allgather(spec):
     ("qsgd:bits=8", "allgather", [2560, 64, 24576, 128, 5120, 10]),       # one call per tensor
     ("topk:ratio=0.01", "allgather", [32458]),                             # one flat record per bucket
     ("qsgd:bits=8", "twophase", [2560, 64, 13605, 10971, 128, 5120, 10]),  # each tensor's piece of each shard
-    ("qsgd:bits=8", "node:twophase", [4057, 4057]),                         # this rank's 1/L shard, cut over 2 nodes
+    # every local rank's shard (the tensors' pieces), each cut again over the 2 nodes; all 4 ranks' calls
+    ("qsgd:bits=8", "node:twophase", [2560, 64, 1434, 4057, 4058, 4057, 4057, 4057, 2856, 128, 1073, 4047, 10]),
+    ("topk:ratio=0.01", "node:sparse_rs", [8115, 8115, 8114, 8114]),        # one flat record per node shard
 ])
 def test_codec_priced_per_call_at_each_calls_speed(spec, route, calls):
     """A pass over a bucket costs what the route's codec calls cost, each at its size's speed: the fixed
@@ -140,8 +142,9 @@ def test_codec_priced_per_call_at_each_calls_speed(spec, route, calls):
                 LinkModel(), LinkModel(), codec={fam: eager}, codec_fixed={fam: fixed},
                 codec_compiled={fam: fast}, compile_min=big)
     cost = codec_costs(spec, comp, route, [SHAPES], c)[0]
-    per_pass = sum(fixed + k / (fast if k >= big else eager) for k in calls) * (local if route.startswith("node:") else 1)
-    whole = {"allgather": per_pass * (1 + 2), "twophase": 2 * 2 * per_pass, "node:twophase": 2 * 2 * per_pass / local}
+    per_pass = sum(fixed + k / (fast if k >= big else eager) for k in calls)
+    whole = {"allgather": per_pass * (1 + 2), "twophase": 2 * 2 * per_pass, "node:twophase": 2 * 2 * per_pass / local,
+             "node:sparse_rs": 2 * 2 * per_pass / local}
     assert cost.code == pytest.approx(whole[route], rel=1e-9)
 
 

@@ -134,7 +134,8 @@ def test_calibration_file_feeds_plan_and_auto(tmp_path, monkeypatch):
 
 def test_collectives_timed_inside_a_step_replace_the_idle_ones():
     """A calibration's busy_lat_by_kind (collectives right after a step: the slowest rank, shared cores)
-    is what each collective of a route costs in the prediction, where the world is the calibrated one."""
+    is what a bucket's first collective costs in the prediction, where the world is the calibrated
+    one; the collectives after it in the bucket cost the idle figure."""
     idle = {"allreduce": 1e-4, "allgather": 1e-4, "alltoall": 1e-4}
     busy = {"allreduce": 0.03, "allgather": 0.02, "alltoall": 0.04}
     cal = {"version": 1, "ranks": 4, "nodes": 1, "local": 4, "device": "cpu", "compute_s": 0.02,
