@@ -32,7 +32,7 @@ from ..compression.base import Compressor, TensorInfo
 from ..exchange import cost
 from ..exchange.core import frame_size
 from ..exchange.routes import codec_node_aware_reason, estimated_payload_bytes, route_payload
-from ..exchange.routes.base import segments
+from ..exchange.routes.base import segments, sends_flat
 from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
 from ..spec import compression_from_spec
 
@@ -64,8 +64,9 @@ class Cluster:
     slower it moves bytes than the flat link (:func:`horovod_view`); ``horovod_fp16_slowdown``: how
     many times slower per byte Horovod's float16 allreduce is than its float32 one (measured);
     ``intra_lat``: the fixed seconds of each collective of a node's ranks, measured inside a step: the
-    node-aware route's first collective pays it (:func:`collective_seconds`); ``codec_compiled``: on a CPU, the elements per second of a codec
-    call of ``compile_min`` elements or more, which runs compiled (``codec``: the smaller, eager ones)."""
+    node-aware route's first collective pays it (:func:`collective_seconds`); ``codec_compiled``: on a
+    CPU, the elements per second of a codec call of ``compile_min`` elements or more, which runs
+    compiled (``codec``: the smaller, eager ones)."""
 
     nodes: int
     local: int
@@ -337,11 +338,11 @@ def sparse_payload(comp: Compressor, shapes: Sequence[tuple], route: str, parts:
 
 def route_calls(comp: Compressor, numels: Sequence[int], route: str, parts: int) -> List[int]:
     """The elements of each codec call one rank makes for records of ``numels`` on the flat ``route``
-    over ``parts`` ranks: one flat record for a ``bucket_flat`` codec on a route that sends whole
-    tensors (:func:`hvd_ext.exchange.routes.base.flat_record`), else one per record; the two-phase
-    route codes each record's piece of each shard (:func:`hvd_ext.exchange.routes.base.segments`)."""
+    over ``parts`` ranks: one flat record where the route sends one
+    (:func:`hvd_ext.exchange.routes.base.sends_flat`), else one per record; the two-phase route codes
+    each record's piece of each shard (:func:`hvd_ext.exchange.routes.base.segments`)."""
     numels = [int(n) for n in numels]
-    if comp.bucket_flat and route in ("allgather", "sparse_rs"):
+    if sends_flat(comp, route):
         numels = [sum(numels)]
     if route == "twophase" and parts > 1:
         return [b - a for shard in segments(numels, parts) for _, a, b in shard]

@@ -21,7 +21,6 @@ from ..core import Exchange
 from ..transport import offsets, split_sizes
 
 
-
 def segments(sizes: List[int], parts: int) -> List[List[Tuple[int, int, int]]]:
     """For each shard j: [(tensor index, start, end)] -- the pieces of the tensors (flat ranges)
     that fall in shard j when the tensors of ``sizes`` are concatenated and cut into ``parts``."""
@@ -51,13 +50,19 @@ class TensorRecord:
     ctx: Any = None
 
 
+def sends_flat(comp: Compressor, route: str) -> bool:
+    """Whether ``route`` (its name) sends ``comp``'s records of a bucket as one flat record
+    (:func:`flat_record`): a ``bucket_flat`` codec on a route that sends whole tensors."""
+    return bool(comp.bucket_flat) and route in ("allgather", "sparse_rs")
+
+
 def flat_record(comp: Compressor, route: str, records: List[TensorRecord], name: str) -> Optional[TensorRecord]:
     """One record standing for ``records`` when ``comp`` is ``bucket_flat`` (topk scope=model, sig) and
     the route (its name) sends whole tensors (allgather, sparse_rs): one payload per bucket (or node shard)
     instead of one per tensor, of a size every rank knows. Its ``TensorInfo.segments`` name the tensors;
     the feedback keeps working per tensor on :func:`split_flat` of the results. None when the records
     go as they are."""
-    if not records or not comp.bucket_flat or route not in ("allgather", "sparse_rs"):
+    if not records or not sends_flat(comp, route):
         return None
     u = torch.cat([r.u.reshape(-1).float() for r in records])
     i0 = records[0].info

@@ -19,9 +19,8 @@ from .. import cost
 from ..core import Exchange
 from ..probe import node_links_setting
 from ..transport import NodeGroupsUnavailable, horovod_elastic
-from .base import NODE_PREFIX
+from .base import NODE_PREFIX, segments
 from .sparse_rs import expected_wire
-from .base import segments
 
 _warned = set()
 

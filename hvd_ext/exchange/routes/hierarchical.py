@@ -50,8 +50,7 @@ import torch
 from ...compression.base import TensorInfo
 from ...ops.device import nonfinite as nonfinite_flag
 from ..transport import offsets, split_sizes
-from .base import NODE_PREFIX, Route, TensorRecord, flat_record, make_route, register, split_flat
-from .base import segments
+from .base import NODE_PREFIX, Route, TensorRecord, flat_record, make_route, register, segments, split_flat
 
 @register
 class NodeAwareRoute(Route):
