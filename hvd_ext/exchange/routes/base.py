@@ -90,6 +90,7 @@ class OwnerMemory:
     def __init__(self):
         self.memory: Dict[str, torch.Tensor] = {}
         self._staged: Dict[str, torch.Tensor] = {}
+        self.loads = 0   # how many times the memory was replaced (a checkpoint, a resume)
 
     def get(self, key: str, like: torch.Tensor) -> torch.Tensor:
         m = self.memory.get(key)
@@ -97,11 +98,16 @@ class OwnerMemory:
             return torch.zeros_like(like)
         return m.to(like.device)
 
-    def stage(self, key: str, value: torch.Tensor) -> None:
-        self._staged[key] = value.detach()
+    def stage(self, key: str, value: Optional[torch.Tensor]) -> None:
+        """``value`` replaces the entry at the next commit (``None``: removes it)."""
+        self._staged[key] = None if value is None else value.detach()
 
     def commit(self) -> None:
-        self.memory.update(self._staged)
+        for key, value in self._staged.items():
+            if value is None:
+                self.memory.pop(key, None)
+            else:
+                self.memory[key] = value
         self._staged = {}
 
     def discard(self) -> None:
@@ -113,6 +119,7 @@ class OwnerMemory:
     def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
         self.memory = {k: v.clone() for k, v in (sd or {}).items()}
         self._staged = {}
+        self.loads += 1
 
     def is_shared(self, key: str) -> bool:
         return key.endswith(self.SHARED_SUFFIX)

@@ -22,7 +22,8 @@ if the entries of the (identical) global result fall unevenly on the owners
 (max > 1.5 x mean), the ranges are moved to the quantiles of those entries'
 positions -- the same decision on every rank, since all hold the same result.
 Owner residual left outside a rank's new range is sent to its new owner with
-the next step's pairs, so nothing is lost.
+the next step's pairs, so nothing is lost (the pass over the bucket that finds it runs only where a
+range may have moved: after a rebalance, a load of the memory, a change of world).
 
 Host reads (``docs/gpu.md``): one per step, in ``start`` -- the owner ranges, how many pairs go to
 each owner and how many carried residual entries there are, in one read (the alltoall's split
@@ -126,6 +127,7 @@ def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
 class SparseReduceScatterRoute(Route):
     name = "sparse_rs"
     reads_on_start = True  # how many pairs go to each owner depends on where the entries fall
+    _scanned = None  # (memory loads, world size, entries) at this route's last scan of the owner residual
 
     def _value_dtype(self):
         return getattr(self.comp, "value_dtype", torch.float32)
@@ -164,7 +166,7 @@ class SparseReduceScatterRoute(Route):
         # owner residual outside this rank's range (after a rebalance) travels to its new owner
         mem = self.memory.memory.get(f"{self.tag}:owner") if self.memory is not None else None
         carry = None
-        if mem is not None and mem.numel() == self.total:
+        if mem is not None and mem.numel() == self.total and self._ranges_may_have_moved():
             mem = mem.to(dev)
             pos = torch.arange(self.total, device=dev)
             carry = (mem != 0) & ((pos < bounds[me]) | (pos >= bounds[me + 1]))
@@ -178,7 +180,7 @@ class SparseReduceScatterRoute(Route):
         self.bounds = got[:N + 1]
         cuts_g, carried = got[N + 1:2 * N + 2], got[2 * N + 2:]
         lo, hi = self.bounds[me], self.bounds[me + 1]
-        self._mem = mem[lo:hi] if mem is not None and mem.numel() == self.total else None
+        self._mem = mem[lo:hi].to(dev) if mem is not None and mem.numel() == self.total else None
         if sum(carried):
             pos = compact(carry, sum(carried))
             g, order = torch.cat([g, pos]).sort()
@@ -192,6 +194,19 @@ class SparseReduceScatterRoute(Route):
             per_dest.append([encode_pairs(g[a:b] - self.bounds[j], v[a:b], span, vdt)])
         self._p1 = ex.start_alltoall(f"hvd_ext.rs1.{self.tag}", per_dest, nonfinite)
         self._p2 = None
+
+    def _ranges_may_have_moved(self) -> bool:
+        """Whether this rank's owner range may differ from the one its owner residual was kept for:
+        after a rebalance was committed (it leaves a mark in the memory, which the step that scans
+        removes, both staged), after the memory was loaded, or in another world. Only then is the
+        residual scanned for entries that now belong to another owner (a pass over the bucket)."""
+        mark = f"{self.tag}:moved"
+        key = (self.memory.loads, self.exchange.size, self.total)
+        moved = mark in self.memory.memory or self._scanned != key
+        if moved:
+            self._scanned = key
+            self.memory.stage(mark, None)
+        return moved
 
     def progress(self):
         if self._p2 is not None:
@@ -270,3 +285,4 @@ class SparseReduceScatterRoute(Route):
         new = torch.cat([old[:1], cut, old[-1:]])
         new = torch.cummax(new, 0).values  # non-decreasing
         self.memory.stage(self._bounds_key(self.total), torch.where(uneven, new, old))
+        self.memory.stage(f"{self.tag}:moved", torch.zeros(0))   # the next start scans the residual

@@ -70,6 +70,79 @@ def test_conservation_with_owner_memory(size, spec):
         assert torch.allclose(applied + worker + owner, total_g, atol=2e-3), k
 
 
+def _owner_residual(runs, name):
+    """Every rank's sparse reduce-scatter owner residual of tensor ``name`` (summed over ranks)."""
+    order = list(reversed(list(SHAPES)))
+    off = sum(math.prod(SHAPES[x]) for x in order[:order.index(name)])
+    n = math.prod(SHAPES[name])
+    return sum(v[off:off + n] for run in runs for key, v in run.pipeline.owner_memory.memory.items()
+               if re.fullmatch(r"b\d+:owner", key))
+
+
+@pytest.mark.parametrize("skip_after", [False, True])
+def test_owner_residual_moves_with_rebalanced_ranges(skip_after):
+    """Entries concentrated in one owner's range move the ranges at the first rebalance; the owner
+    residual left outside a rank's new range travels to its new owner (nothing lost), also when the
+    step after the rebalance is skipped for a non-finite value and the next one carries instead."""
+    from hvd_ext.exchange.routes.sparse_rs import REBALANCE_EVERY
+    from hvd_ext.exchange.transport import offsets, split_sizes
+
+    size, steps = 3, REBALANCE_EVERY + 4
+    grads = make_grads(size, steps, seed=5)
+    for per_rank in grads:   # the small tensors first in the bucket, "w1" last: its large values
+        for g in per_rank:   # fill the last owner's range until the ranges move
+            g["w1"][:20] *= 30.0
+    skipped = REBALANCE_EVERY if skip_after else None
+    if skip_after:
+        grads[skipped][1]["b2"][0] = float("nan")
+    bounds = {}
+
+    def watch(rank, step, pipe):
+        bounds[step] = {k: v.clone() for k, v in pipe.owner_memory.memory.items() if k.endswith(":bounds")}
+
+    runs = run_pipeline("topk:ratio=0.02,route=twophase", grads, size, before_step=watch)
+    assert runs[0].routes[-1] == "sparse_rs"
+    total = sum(math.prod(s) for s in SHAPES.values())
+    even = torch.tensor([0] + [hi for _, hi in offsets(split_sizes(total, size))])
+    assert not bounds[REBALANCE_EVERY - 1]   # the ranges start even (nothing kept)
+    assert any(not torch.equal(v, even) for v in bounds[REBALANCE_EVERY].values()), "the ranges should have moved"
+    assert all(r.skipped[s] == (s == skipped) for r in runs for s in range(steps))
+    live = [s for s in range(steps) if s != skipped]
+    for k in SHAPES:
+        total_g = sum(grads[s][r][k] for s in live for r in range(size)).reshape(-1)
+        applied = sum(runs[0].results[s][k] for s in live).reshape(-1) * size
+        worker = sum(run.pipeline.feedback.memory.get(k, torch.zeros(1)).reshape(-1) for run in runs)
+        assert torch.allclose(applied + worker + _owner_residual(runs, k), total_g, atol=2e-3), k
+
+
+def test_owner_residual_is_scanned_only_where_a_range_may_have_moved(monkeypatch):
+    """The pass over the whole bucket that finds residual outside a rank's range runs on a route's
+    first step with a residual and on the step after a rebalance, not on the others."""
+    from hvd_ext.exchange.routes import sparse_rs
+
+    scans = []
+    orig = sparse_rs.SparseReduceScatterRoute._ranges_may_have_moved
+
+    def spy(self):
+        moved = orig(self)
+        if moved and self.exchange.rank == 0:
+            scans.append(self.records[0].info.step)
+        return moved
+
+    monkeypatch.setattr(sparse_rs.SparseReduceScatterRoute, "_ranges_may_have_moved", spy)
+    steps = 2 * sparse_rs.REBALANCE_EVERY + 2
+    run_pipeline("topk:ratio=0.02,route=twophase", make_grads(3, steps, seed=2), 3)
+    assert scans == [1, sparse_rs.REBALANCE_EVERY, 2 * sparse_rs.REBALANCE_EVERY]
+
+    def reload(rank, step, pipe):   # a checkpoint loaded at step 5: its residual may lie anywhere
+        if step == 5:
+            pipe.load_state_dict(pipe.state_dict())
+
+    scans.clear()
+    run_pipeline("topk:ratio=0.02,route=twophase", make_grads(3, 8, seed=2), 3, before_step=reload)
+    assert scans == [1, 5]
+
+
 # ---- non-finite and checkpoints ------------------------------------------------------------------
 @pytest.mark.parametrize("spec", ["efsignsgd:route=twophase", "topk:ratio=0.05,route=twophase"])
 def test_nonfinite_on_one_rank_skips_everywhere_and_keeps_memories(spec):
