@@ -463,6 +463,7 @@ REPRODUCE = [
     "python benchmarks/plan_projections.py    # the planner to 1024 GPUs on the cited presets (docs/scale.md)",
     "python benchmarks/wait_modes.py          # spin or sleep while waiting, where ranks share cores",
     "python benchmarks/balance.py             # adaptive:balance=1 against none with a slow rank, over seeds",
+    "python benchmarks/delayed_average_sim.py # local SGD with its average left in flight, simulated (no ranks)",
     "python benchmarks/make_results.py        # this file",
 ]
 
