@@ -10,8 +10,10 @@
 Each method (``horovod`` = ``hvd.DistributedOptimizer``; ``compute`` = the same
 step with no exchange, the floor; anything else is an hvd_ext spec) gets its own model and optimizer, and the methods take turns:
 ``--rounds`` rounds of ``--steps`` timed steps each, so machine noise hits every
-method alike. ``host ms`` is hvd_ext's own host work per step (the pipeline's coding and route
-work, ``stats.compress_s``; not the waits), steadier than the step time on a shared machine. ``auto-choice`` is the fixed codec ``auto`` chose (the same on every bucket), built
+method alike. ``host ms`` (``host_code_ms`` in the JSON) is hvd_ext's own host work per step
+(the pipeline's coding and route work, ``stats.compress_s``), steadier than the step time on a shared
+machine; on a CPU it holds no waits, on a GPU its one read per step waits for the device, and with the
+pipeline's worker thread it is that thread's time. ``auto-choice`` is the fixed codec ``auto`` chose (the same on every bucket), built
 after the ``--warmup`` steps in which auto decided. Reported: median ms/step over rounds and the ratio to
 ``horovod`` measured in the same job. Use ``--json`` to keep the figures.
 """

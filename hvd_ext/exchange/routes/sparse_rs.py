@@ -197,14 +197,18 @@ class SparseReduceScatterRoute(Route):
 
     def _ranges_may_have_moved(self) -> bool:
         """Whether this rank's owner range may differ from the one its owner residual was kept for:
-        after a rebalance was committed (it leaves a mark in the memory, which the step that scans
-        removes, both staged), after the memory was loaded, or in another world. Only then is the
-        residual scanned for entries that now belong to another owner (a pass over the bucket)."""
+        after a rebalance was committed, after the memory was loaded, or in another world. Each
+        leaves a mark in the memory (a rebalance's is staged with its ranges; a load's or a world's
+        is set at once), and the step that scans stages the mark's removal: a skipped step keeps it,
+        and the next step scans again. Only then is the residual scanned for entries that now belong
+        to another owner (a pass over the bucket)."""
         mark = f"{self.tag}:moved"
         key = (self.memory.loads, self.exchange.size, self.total)
-        moved = mark in self.memory.memory or self._scanned != key
-        if moved:
+        if self._scanned != key:
             self._scanned = key
+            self.memory.memory[mark] = torch.zeros(0)
+        moved = mark in self.memory.memory
+        if moved:
             self.memory.stage(mark, None)
         return moved
 

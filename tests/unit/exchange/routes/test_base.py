@@ -95,10 +95,16 @@ def test_owner_residual_moves_with_rebalanced_ranges(skip_after):
     skipped = REBALANCE_EVERY if skip_after else None
     if skip_after:
         grads[skipped][1]["b2"][0] = float("nan")
-    bounds = {}
+    bounds, outside = {}, []
 
     def watch(rank, step, pipe):
-        bounds[step] = {k: v.clone() for k, v in pipe.owner_memory.memory.items() if k.endswith(":bounds")}
+        mem = pipe.owner_memory.memory
+        bounds[step] = {k: v.clone() for k, v in mem.items() if k.endswith(":bounds")}
+        if step == REBALANCE_EVERY:   # residual kept for the old range that the new one leaves out
+            for key, b in bounds[step].items():
+                owner = mem[key.split("@")[0] + ":owner"]
+                lo, hi = int(b[rank]), int(b[rank + 1])
+                outside.append(bool(owner[:lo].any() or owner[hi:].any()))
 
     runs = run_pipeline("topk:ratio=0.02,route=twophase", grads, size, before_step=watch)
     assert runs[0].routes[-1] == "sparse_rs"
@@ -106,8 +112,44 @@ def test_owner_residual_moves_with_rebalanced_ranges(skip_after):
     even = torch.tensor([0] + [hi for _, hi in offsets(split_sizes(total, size))])
     assert not bounds[REBALANCE_EVERY - 1]   # the ranges start even (nothing kept)
     assert any(not torch.equal(v, even) for v in bounds[REBALANCE_EVERY].values()), "the ranges should have moved"
+    assert any(outside), "some owner residual should lie outside its rank's new range (the case that carries)"
     assert all(r.skipped[s] == (s == skipped) for r in runs for s in range(steps))
     live = [s for s in range(steps) if s != skipped]
+    for k in SHAPES:
+        total_g = sum(grads[s][r][k] for s in live for r in range(size)).reshape(-1)
+        applied = sum(runs[0].results[s][k] for s in live).reshape(-1) * size
+        worker = sum(run.pipeline.feedback.memory.get(k, torch.zeros(1)).reshape(-1) for run in runs)
+        assert torch.allclose(applied + worker + _owner_residual(runs, k), total_g, atol=2e-3), k
+
+
+def test_owner_residual_moves_after_a_load_that_moves_the_ranges_and_a_skipped_step():
+    """A resume that brings other ranges than the residual was kept for (a lagging rank takes the most
+    advanced rank's ranges): the residual outside the new range still reaches its owner when the first
+    step after the load is skipped for a non-finite value."""
+    from hvd_ext.exchange.routes.sparse_rs import REBALANCE_EVERY
+    from hvd_ext.exchange.transport import offsets, split_sizes
+
+    size, steps, load_at = 3, REBALANCE_EVERY + 6, REBALANCE_EVERY + 2
+    grads = make_grads(size, steps, seed=5)
+    for per_rank in grads:
+        for g in per_rank:
+            g["w1"][:20] *= 30.0
+    grads[load_at][1]["b2"][0] = float("nan")
+    total = sum(math.prod(s) for s in SHAPES.values())
+    even = torch.tensor([0] + [hi for _, hi in offsets(split_sizes(total, size))])
+    moved = []
+
+    def load_even_ranges(rank, step, pipe):
+        if step == load_at:
+            sd = pipe.owner_memory.state_dict()
+            moved.extend(not torch.equal(v, even) for k, v in sd.items() if k.endswith(":bounds"))
+            pipe.owner_memory.load_state_dict({k: (even.clone() if k.endswith(":bounds") else v)
+                                               for k, v in sd.items()})
+
+    runs = run_pipeline("topk:ratio=0.02,route=twophase", grads, size, before_step=load_even_ranges)
+    assert any(moved), "the load should move the ranges back"
+    assert all(r.skipped[s] == (s == load_at) for r in runs for s in range(steps))
+    live = [s for s in range(steps) if s != load_at]
     for k in SHAPES:
         total_g = sum(grads[s][r][k] for s in live for r in range(size)).reshape(-1)
         applied = sum(runs[0].results[s][k] for s in live).reshape(-1) * size
