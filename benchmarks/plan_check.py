@@ -23,6 +23,13 @@ For each (N, rate) one job (``horovodrun --gloo`` in a shaped namespace, ``scrip
    and the wire bytes ratio (the wire bytes hvd_ext's exchange counted; Horovod's: the ring's).
 
 Writes benchmarks/results/plan_check.{json,md} (``--out NAME``: NAME.{json,md}).
+
+    python benchmarks/plan_check.py --rescore benchmarks/results/plan_check.json [...]
+
+predicts every row of saved runs again, at this code, from each world's saved calibration: once with
+the calibrated compute time and once with the step without exchange as it was timed in the same
+turns as the methods (the planner's compute input taken in the measurement's own conditions); prints
+predicted / measured per row and how many rows are within +-25%. Nothing is run and nothing written.
 """
 from __future__ import annotations
 
@@ -132,7 +139,7 @@ def worker(args) -> None:
                          "measured_bytes": measured[m]["bytes_sent"], "predicted_bytes": pr.wire,
                          "bytes_ratio": pr.wire / max(measured[m]["bytes_sent"], 1.0)})
         Path(args.worker_out).write_text(json.dumps({"ranks": N, "calibration": cal, "rows": rows,
-                                                     "params": int(dense / 4),
+                                                     "params": int(dense / 4), "channels": args.channels,
                                                      "compute_in_turns_s": floor_s}, indent=1))
 
 
@@ -143,11 +150,14 @@ def main(argv=None):
     ap.add_argument("--nodes2x2", nargs="*", default=[], help="also 2 nodes x 2 ranks at these inter-node rates")
     import common
 
+    ap.add_argument("--rescore", nargs="+", metavar="JSON", help="predict saved runs again (see the module doc)")
     common.add_worker_options(ap, out="plan_check", steps=10, rounds=4)
     common.add_load_option(ap)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.rescore:
+        return print(rescore(args.rescore))
     common.refuse_if_loaded(args)
     machine = common.machine_info()  # with the load at the start, before our own ranks add to it
     load = common.loadavg()
@@ -172,6 +182,47 @@ def main(argv=None):
         world(f"2x2 {rate}", f"2 nodes x 2, inter {rate}", f"2x2_{rate}",
               ["env", f"HVD_EXT_WAIT={TESTBED_NODES_WAIT}"] + common.two_nodes_launcher(rate))
     common.save_results(args.out, common.results_doc("plan_check.py", argv, machine, load, results), render)
+
+
+def predict_again(res: dict, compute_s: float) -> dict:
+    """{(method, route): predicted seconds per step} of a saved world, at this code, from its saved
+    calibration and ``compute_s``."""
+    from hvd_ext.examples.mnist1d import MNIST1DCNN
+    from hvd_ext.plan import plan
+
+    cal = res["calibration"]
+    model = MNIST1DCNN(res.get("channels", 128))
+    if sum(p.numel() for p in model.parameters()) != res["params"]:
+        raise SystemExit(f"--rescore: the saved world's model had {res['params']} parameters, not "
+                         f"MNIST1DCNN({res.get('channels', 128)})'s")
+    p = plan(model, compute_s=compute_s, cluster=None, nodes=cal["nodes"], gpus_per_node=cal["local"], device="cpu",
+             methods=[m for m in METHODS if not m.startswith("horovod")], calibration=cal, breakeven_search=False)
+    return {(row["method"], row["route"]): p.row(METHODS[row["method"]][0], row["route"]).step_s for row in res["rows"]}
+
+
+def rescore(paths) -> str:
+    """Every row of the saved runs at ``paths`` predicted again (module doc), as a table and a count."""
+    lines = ["| file | ranks | link | method | measured ms | pred/meas | pred/meas, compute in turns |",
+             "|---|---|---|---|---|---|---|"]
+    within = [0, 0]
+    n = 0
+    for path in paths:
+        for res in json.loads(Path(path).read_text())["results"]:
+            cal_pred = predict_again(res, res["calibration"]["compute_s"])
+            turns = res.get("compute_in_turns_s")
+            turn_pred = predict_again(res, turns) if turns else None
+            for row in res["rows"]:
+                key, meas = (row["method"], row["route"]), row["measured_step_ms"] / 1e3
+                q = cal_pred[key] / meas
+                qt = turn_pred[key] / meas if turn_pred else None
+                n += 1
+                within[0] += 0.75 <= q <= 1.25
+                within[1] += qt is not None and 0.75 <= qt <= 1.25
+                lines.append(f"| {Path(path).name} | {res['ranks']} | {res['rate']} | `{row['method']}` | {meas * 1e3:.2f} "
+                             f"| {q:.2f} | {f'{qt:.2f}' if qt is not None else '-'} |")
+    lines += ["", f"Within +-25%: {within[0]} of {n} rows with the calibrated compute, {within[1]} with the "
+              "compute timed in turns."]
+    return "\n".join(lines)
 
 
 def render(doc) -> str:
