@@ -127,7 +127,6 @@ def _at(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
 class SparseReduceScatterRoute(Route):
     name = "sparse_rs"
     reads_on_start = True  # how many pairs go to each owner depends on where the entries fall
-    _scanned = None  # (memory loads, world size, entries) at this route's last scan of the owner residual
 
     def _value_dtype(self):
         return getattr(self.comp, "value_dtype", torch.float32)
@@ -196,21 +195,19 @@ class SparseReduceScatterRoute(Route):
         self._p2 = None
 
     def _ranges_may_have_moved(self) -> bool:
-        """Whether this rank's owner range may differ from the one its owner residual was kept for:
-        after a rebalance was committed, after the memory was loaded, or in another world. Each
-        leaves a mark in the memory (a rebalance's is staged with its ranges; a load's or a world's
-        is set at once), and the step that scans stages the mark's removal: a skipped step keeps it,
-        and the next step scans again. Only then is the residual scanned for entries that now belong
-        to another owner (a pass over the bucket)."""
-        mark = f"{self.tag}:moved"
-        key = (self.memory.loads, self.exchange.size, self.total)
-        if self._scanned != key:
-            self._scanned = key
-            self.memory.memory[mark] = torch.zeros(0)
-        moved = mark in self.memory.memory
-        if moved:
-            self.memory.stage(mark, None)
-        return moved
+        """Whether this rank's owner range may differ from the one its owner residual was kept for.
+        The step that scans stages a note of what it scanned for (the memory's loads, the world's size
+        and the bucket's entries) and a rebalance stages its removal; both commit only with a finite
+        step. So the residual is scanned for entries that now belong to another owner (a pass over the
+        bucket) after a committed rebalance, a load of the memory, in another world, and again after a
+        skipped step that should have scanned, and on no other step."""
+        name = f"{self.tag}:scanned"
+        key = [self.memory.loads, self.exchange.size, self.total]
+        noted = self.memory.memory.get(name)
+        if noted is not None and noted.tolist() == key:
+            return False
+        self.memory.stage(name, torch.tensor(key, dtype=torch.int64))
+        return True
 
     def progress(self):
         if self._p2 is not None:
@@ -289,4 +286,4 @@ class SparseReduceScatterRoute(Route):
         new = torch.cat([old[:1], cut, old[-1:]])
         new = torch.cummax(new, 0).values  # non-decreasing
         self.memory.stage(self._bounds_key(self.total), torch.where(uneven, new, old))
-        self.memory.stage(f"{self.tag}:moved", torch.zeros(0))   # the next start scans the residual
+        self.memory.stage(f"{self.tag}:scanned", None)   # the next start scans the residual

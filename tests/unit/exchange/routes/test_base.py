@@ -79,19 +79,43 @@ def _owner_residual(runs, name):
                if re.fullmatch(r"b\d+:owner", key))
 
 
+def _skewed_grads(size, steps):
+    """Gradients whose largest entries fill one owner's range until the ranges move: the small tensors
+    come first in the bucket, "w1" last, and its first rows are large."""
+    grads = make_grads(size, steps, seed=5)
+    for per_rank in grads:
+        for g in per_rank:
+            g["w1"][:20] *= 30.0
+    return grads
+
+
+def _even_bounds(size):
+    from hvd_ext.exchange.transport import offsets, split_sizes
+
+    total = sum(math.prod(s) for s in SHAPES.values())
+    return torch.tensor([0] + [hi for _, hi in offsets(split_sizes(total, size))])
+
+
+def _assert_conserved(grads, runs, size, skipped):
+    """Every rank's gradients over the live steps = applied results x N + worker and owner residuals."""
+    assert all(r.skipped[s] == (s == skipped) for r in runs for s in range(len(grads)))
+    live = [s for s in range(len(grads)) if s != skipped]
+    for k in SHAPES:
+        total_g = sum(grads[s][r][k] for s in live for r in range(size)).reshape(-1)
+        applied = sum(runs[0].results[s][k] for s in live).reshape(-1) * size
+        worker = sum(run.pipeline.feedback.memory.get(k, torch.zeros(1)).reshape(-1) for run in runs)
+        assert torch.allclose(applied + worker + _owner_residual(runs, k), total_g, atol=2e-3), k
+
+
 @pytest.mark.parametrize("skip_after", [False, True])
 def test_owner_residual_moves_with_rebalanced_ranges(skip_after):
     """Entries concentrated in one owner's range move the ranges at the first rebalance; the owner
     residual left outside a rank's new range travels to its new owner (nothing lost), also when the
     step after the rebalance is skipped for a non-finite value and the next one carries instead."""
     from hvd_ext.exchange.routes.sparse_rs import REBALANCE_EVERY
-    from hvd_ext.exchange.transport import offsets, split_sizes
 
     size, steps = 3, REBALANCE_EVERY + 4
-    grads = make_grads(size, steps, seed=5)
-    for per_rank in grads:   # the small tensors first in the bucket, "w1" last: its large values
-        for g in per_rank:   # fill the last owner's range until the ranges move
-            g["w1"][:20] *= 30.0
+    grads = _skewed_grads(size, steps)
     skipped = REBALANCE_EVERY if skip_after else None
     if skip_after:
         grads[skipped][1]["b2"][0] = float("nan")
@@ -108,18 +132,11 @@ def test_owner_residual_moves_with_rebalanced_ranges(skip_after):
 
     runs = run_pipeline("topk:ratio=0.02,route=twophase", grads, size, before_step=watch)
     assert runs[0].routes[-1] == "sparse_rs"
-    total = sum(math.prod(s) for s in SHAPES.values())
-    even = torch.tensor([0] + [hi for _, hi in offsets(split_sizes(total, size))])
     assert not bounds[REBALANCE_EVERY - 1]   # the ranges start even (nothing kept)
+    even = _even_bounds(size)
     assert any(not torch.equal(v, even) for v in bounds[REBALANCE_EVERY].values()), "the ranges should have moved"
     assert any(outside), "some owner residual should lie outside its rank's new range (the case that carries)"
-    assert all(r.skipped[s] == (s == skipped) for r in runs for s in range(steps))
-    live = [s for s in range(steps) if s != skipped]
-    for k in SHAPES:
-        total_g = sum(grads[s][r][k] for s in live for r in range(size)).reshape(-1)
-        applied = sum(runs[0].results[s][k] for s in live).reshape(-1) * size
-        worker = sum(run.pipeline.feedback.memory.get(k, torch.zeros(1)).reshape(-1) for run in runs)
-        assert torch.allclose(applied + worker + _owner_residual(runs, k), total_g, atol=2e-3), k
+    _assert_conserved(grads, runs, size, skipped)
 
 
 def test_owner_residual_moves_after_a_load_that_moves_the_ranges_and_a_skipped_step():
@@ -127,16 +144,11 @@ def test_owner_residual_moves_after_a_load_that_moves_the_ranges_and_a_skipped_s
     advanced rank's ranges): the residual outside the new range still reaches its owner when the first
     step after the load is skipped for a non-finite value."""
     from hvd_ext.exchange.routes.sparse_rs import REBALANCE_EVERY
-    from hvd_ext.exchange.transport import offsets, split_sizes
 
     size, steps, load_at = 3, REBALANCE_EVERY + 6, REBALANCE_EVERY + 2
-    grads = make_grads(size, steps, seed=5)
-    for per_rank in grads:
-        for g in per_rank:
-            g["w1"][:20] *= 30.0
+    grads = _skewed_grads(size, steps)
     grads[load_at][1]["b2"][0] = float("nan")
-    total = sum(math.prod(s) for s in SHAPES.values())
-    even = torch.tensor([0] + [hi for _, hi in offsets(split_sizes(total, size))])
+    even = _even_bounds(size)
     moved = []
 
     def load_even_ranges(rank, step, pipe):
@@ -148,13 +160,7 @@ def test_owner_residual_moves_after_a_load_that_moves_the_ranges_and_a_skipped_s
 
     runs = run_pipeline("topk:ratio=0.02,route=twophase", grads, size, before_step=load_even_ranges)
     assert any(moved), "the load should move the ranges back"
-    assert all(r.skipped[s] == (s == load_at) for r in runs for s in range(steps))
-    live = [s for s in range(steps) if s != load_at]
-    for k in SHAPES:
-        total_g = sum(grads[s][r][k] for s in live for r in range(size)).reshape(-1)
-        applied = sum(runs[0].results[s][k] for s in live).reshape(-1) * size
-        worker = sum(run.pipeline.feedback.memory.get(k, torch.zeros(1)).reshape(-1) for run in runs)
-        assert torch.allclose(applied + worker + _owner_residual(runs, k), total_g, atol=2e-3), k
+    _assert_conserved(grads, runs, size, load_at)
 
 
 def test_owner_residual_is_scanned_only_where_a_range_may_have_moved(monkeypatch):
