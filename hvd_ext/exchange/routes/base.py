@@ -83,14 +83,18 @@ class OwnerMemory:
 
     Entries whose key ends in ``SHARED_SUFFIX`` (sparse reduce-scatter's owner ranges) are identical on
     every rank and decide what each rank sends: a rank resuming behind the others takes them from the
-    most advanced one (``load_shared_state_dict``). The residuals stay the owner's own."""
+    most advanced one (``load_shared_state_dict``). The residuals stay the owner's own.
+
+    Entries whose key ends in ``NOTE_SUFFIX`` note what a route last did with the memory (the
+    sparse reduce-scatter: what its residual was scanned for). They are never saved, and every load
+    drops them: after a load the memory may hold what no note describes."""
 
     SHARED_SUFFIX = ":bounds"
+    NOTE_SUFFIX = ":scanned"
 
     def __init__(self):
         self.memory: Dict[str, torch.Tensor] = {}
         self._staged: Dict[str, torch.Tensor] = {}
-        self.loads = 0   # how many times the memory was replaced (a checkpoint, a resume)
 
     def get(self, key: str, like: torch.Tensor) -> torch.Tensor:
         m = self.memory.get(key)
@@ -114,12 +118,11 @@ class OwnerMemory:
         self._staged = {}
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.memory.items()}
+        return {k: v.clone() for k, v in self.memory.items() if not k.endswith(self.NOTE_SUFFIX)}
 
     def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
-        self.memory = {k: v.clone() for k, v in (sd or {}).items()}
+        self.memory = {k: v.clone() for k, v in (sd or {}).items() if not k.endswith(self.NOTE_SUFFIX)}
         self._staged = {}
-        self.loads += 1
 
     def is_shared(self, key: str) -> bool:
         return key.endswith(self.SHARED_SUFFIX)

@@ -196,13 +196,14 @@ class SparseReduceScatterRoute(Route):
 
     def _ranges_may_have_moved(self) -> bool:
         """Whether this rank's owner range may differ from the one its owner residual was kept for.
-        The step that scans stages a note of what it scanned for (the memory's loads, the world's size
-        and the bucket's entries) and a rebalance stages its removal; both commit only with a finite
-        step. So the residual is scanned for entries that now belong to another owner (a pass over the
-        bucket) after a committed rebalance, a load of the memory, in another world, and again after a
-        skipped step that should have scanned, and on no other step."""
-        name = f"{self.tag}:scanned"
-        key = [self.memory.loads, self.exchange.size, self.total]
+        The step that scans stages a note of what it scanned for (the world's size and the bucket's
+        entries) and a rebalance stages its removal; both commit only with a finite step, and a load
+        of the memory drops every note (``OwnerMemory.NOTE_SUFFIX``). So the residual is scanned for
+        entries that now belong to another owner (a pass over the bucket) after a committed
+        rebalance, a load of the memory, in another world, and again after a skipped step that should
+        have scanned, and on no other step."""
+        name = f"{self.tag}{OwnerMemory.NOTE_SUFFIX}"
+        key = [self.exchange.size, self.total]
         noted = self.memory.memory.get(name)
         if noted is not None and noted.tolist() == key:
             return False
@@ -286,4 +287,4 @@ class SparseReduceScatterRoute(Route):
         new = torch.cat([old[:1], cut, old[-1:]])
         new = torch.cummax(new, 0).values  # non-decreasing
         self.memory.stage(self._bounds_key(self.total), torch.where(uneven, new, old))
-        self.memory.stage(f"{self.tag}:scanned", None)   # the next start scans the residual
+        self.memory.stage(f"{self.tag}{OwnerMemory.NOTE_SUFFIX}", None)   # the next start scans the residual
