@@ -255,6 +255,11 @@ class Compressor:
         """Exact payload bytes for a tensor of ``numel`` elements, if fixed (else None)."""
         return None
 
+    def expected_bytes(self, numel: int) -> Optional[float]:
+        """Payload bytes a tensor of ``numel`` elements is expected to take where the data decide them
+        (the cost model prices with it); default: :meth:`wire_bytes`."""
+        return self.wire_bytes(numel)
+
     # ---- state (part of the optimizer checkpoint) ------------------------------
     def commit(self) -> None:
         """Called after a step whose gradients were finite on every rank: make staged state current."""

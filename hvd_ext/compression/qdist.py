@@ -588,6 +588,16 @@ class QDistCompressor(Compressor):
             return None
         return self.payload_bytes(numel, self.bits)
 
+    def expected_bytes(self, numel):
+        """Under a budget a layer's bits are allocated from the gradients: priced at the budget, between
+        the sizes at the whole bits below and above it."""
+        if not self.budget:
+            return self.wire_bytes(numel)
+        lo = max(1, min(8, math.floor(self.budget)))
+        hi = min(8, lo + 1)
+        frac = min(max(self.budget - lo, 0.0), 1.0)
+        return (1.0 - frac) * self.payload_bytes(numel, lo) + frac * self.payload_bytes(numel, hi)
+
     def payload_bytes(self, numel: int, bits: int) -> int:
         """Exact bytes of one layer of ``numel`` elements at ``bits`` (see the module docstring)."""
         if numel == 0:

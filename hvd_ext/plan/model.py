@@ -294,8 +294,13 @@ def recoded_sizes_known(comp: Compressor, shapes: Sequence[tuple], parts: int) -
     every rank knows: ``Compressor.payload_size(recoded=True)`` of every owner segment
     (:func:`hvd_ext.exchange.routes.base.segments`), as the route asks it; else an alltoall."""
     shards = segments([math.prod(s) for s in shapes], parts)
-    return all(comp.payload_size(TensorInfo(name=f"t{i}@{a}:owner", shape=torch.Size([b - a]), step=STEADY_STEP),
-                                 recoded=True) is not None for shard in shards for i, a, b in shard)
+    return all(recoded_size(comp, i, a, b) is not None for shard in shards for i, a, b in shard)
+
+
+def recoded_size(comp: Compressor, i: int, a: int, b: int) -> Optional[int]:
+    """``Compressor.payload_size(recoded=True)`` of the owner segment [a, b) of tensor ``i``."""
+    return comp.payload_size(TensorInfo(name=f"t{i}@{a}:owner", shape=torch.Size([b - a]), step=STEADY_STEP),
+                             recoded=True)
 
 
 def sizes_known(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int) -> bool:
@@ -318,15 +323,32 @@ def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: 
         return float(sum(tensor_payload(comp, s) for s in shapes))
     if route.endswith("sparse_rs"):
         return sparse_payload(comp, shapes, route, parts, local)
-    if route.endswith("twophase") and parts > 1 and comp.wire_bytes(1) is not None:
-        shards = segments([math.prod(s) for s in shapes], parts)
-        width = max(len(shard) for shard in shards)  # every frame has as many slots (empty ones: 0 bytes)
-        return float(sum(frame_size([int(comp.wire_bytes(b - a)) for _, a, b in shard] + [0] * (width - len(shard)))
-                         for shard in shards))
+    if route.endswith("twophase") and parts > 1 and comp.expected_bytes(1) is not None:
+        return twophase_payload(comp, shapes, parts)
     sizes = gathered_sizes(comp, shapes) if route.endswith("allgather") else None
     if sizes is not None:
         return float(frame_size(sizes))
     return float(sum(tensor_payload(comp, s) for s in shapes))
+
+
+def twophase_payload(comp: Compressor, shapes: Sequence[tuple], parts: int) -> float:
+    """The two-phase route's bytes as a payload (its wire is 2(N-1)/N x this): each phase sends every
+    shard as one frame, every frame with as many slots as the fullest shard (empty ones: 0 bytes); the
+    first phase's segments at the codec's size (``Compressor.expected_bytes``), the owners' re-coded
+    ones at ``payload_size(recoded=True)`` where every rank knows it (qdist under a budget re-codes at
+    whole bits)."""
+    shards = segments([math.prod(s) for s in shapes], parts)
+    width = max(len(shard) for shard in shards)
+
+    def frames(size_of) -> int:
+        return sum(frame_size([int(round(size_of(i, a, b))) for i, a, b in shard] + [0] * (width - len(shard)))
+                   for shard in shards)
+
+    def owner(i: int, a: int, b: int) -> float:
+        known = recoded_size(comp, i, a, b)
+        return comp.expected_bytes(b - a) if known is None else known
+
+    return (frames(lambda i, a, b: comp.expected_bytes(b - a)) + frames(owner)) / 2.0
 
 
 def sparse_payload(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int) -> float:

@@ -26,8 +26,9 @@ _warned = set()
 
 
 def estimated_payload_bytes(comp: Compressor, numel: int) -> float:
-    """Bytes of one rank's payload for ``numel`` elements: exact when the codec says, else from its ratio."""
-    wb = comp.wire_bytes(numel)
+    """Bytes of one rank's payload for ``numel`` elements: exact or expected when the codec says
+    (``Compressor.expected_bytes``), else from its ratio."""
+    wb = comp.expected_bytes(numel)
     if wb is not None:
         return float(wb)
     if comp.sparse:

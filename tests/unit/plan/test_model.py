@@ -39,7 +39,8 @@ CASES = [
     ("efsignsgd:exchange=allgather", "allgather", 0.0),
     ("qsgd:bits=4,exchange=twophase", "twophase", 0.005),
     ("efsignsgd:exchange=twophase", "twophase", 0.005),
-    ("qdist:budget=2.5,exchange=twophase", "twophase", 0.06),  # bits per layer allocated from the gradients
+    ("qdist:budget=2.5,exchange=twophase", "twophase", 0.08),  # bits per layer allocated from the gradients
+    ("qdist:budget=4,exchange=twophase", "twophase", 0.005),   # the owners re-code at the budget's whole bits
     ("topk:ratio=0.01,exchange=twophase", "sparse_rs", 0.05),
     ("topk:ratio=0.01,scope=layer,exchange=twophase", "sparse_rs", 0.05),
     ("topk:ratio=0.01,feedback=dgc_momentum,exchange=twophase", "sparse_rs", 0.05),
