@@ -4,12 +4,20 @@
     python -m hvd_ext.plan --params 120e6 --compute-ms 80 --cluster pcie-consumer-10gbe --plot step.png
     horovodrun -np 8 python -m hvd_ext.plan --measure --out calib.json     # on the user's cluster
     python -m hvd_ext.plan --model bert-large --calibration calib.json --nodes 32
+    horovodrun -np 8 python -m hvd_ext.plan --measure --model-file my_model.py   # with its compute time
+    python -m hvd_ext.plan --model-file my_model.py --calibration calib.json --nodes 16
+
+A model file is a Python file that defines ``model()``, returning the torch module (its
+``named_parameters()`` give the real bucket layout), and, for ``--measure``, ``step(model)``, which
+runs one forward and backward of a training batch on the module's device.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
+from pathlib import Path
 
 from . import DEFAULT_METHODS, plan, presets
 from .report import plot_bandwidth_sweep
@@ -20,6 +28,8 @@ def parse_args(argv=None):
     what = p.add_mutually_exclusive_group()
     what.add_argument("--model", choices=list(presets.MODELS), help="a published model (gives the compute time)")
     what.add_argument("--params", type=float, help="parameter count (e.g. 25.6e6)")
+    what.add_argument("--sizes", help="the model's tensors, comma-separated sizes or shapes (e.g. 4096x1024,1024,10)")
+    what.add_argument("--model-file", help="a Python file defining model() (and step(model) for --measure)")
     p.add_argument("--compute-ms", type=float, default=None, help="one step's forward + backward, ms")
     p.add_argument("--cluster", default="p3-v100-25gbe", help=f"preset: {', '.join(presets.CLUSTERS)}")
     p.add_argument("--nodes", type=int, default=1)
@@ -33,18 +43,75 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--plot", default=None, help="draw step time against inter-node bandwidth here (PNG)")
     p.add_argument("--measure", action="store_true", help="under horovodrun/mpirun: measure links, codecs "
-                   "and (with --model-file) compute; write --out")
+                   "and (with --model-file) the step's compute time; write --out")
     p.add_argument("--out", default="hvd_ext_calibration.json", help="where --measure writes")
     return p.parse_args(argv)
+
+
+def parse_sizes(text: str) -> list:
+    """'4096x1024,1024' -> [(4096, 1024), (1024,)]; a clear error naming what is accepted."""
+    try:
+        shapes = [tuple(int(d) for d in item.strip().split("x")) for item in text.split(",") if item.strip()]
+    except ValueError:
+        shapes = []
+    if not shapes or any(d < 1 for s in shapes for d in s):
+        raise SystemExit(f"--sizes: bad value {text!r}; accepted: tensor sizes or shapes >= 1, comma-separated "
+                         "(e.g. 4096x1024,1024,10)")
+    return shapes
+
+
+def load_model_file(path: str, measure: bool = False):
+    """The module ``path`` defines: its ``model()`` is required, and with ``measure`` its ``step(model)``."""
+    file = Path(path)
+    if not file.is_file():
+        raise SystemExit(f"--model-file: no file {path!r}; accepted: a Python file defining model()")
+    spec = importlib.util.spec_from_file_location(f"hvd_ext_plan_model_{file.stem}", file)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    needed = ["model", "step"] if measure else ["model"]
+    missing = [n for n in needed if not callable(getattr(mod, n, None))]
+    if missing:
+        raise SystemExit(f"--model-file {path}: defines no {' or '.join(f'{n}()' for n in missing)}; accepted: a "
+                         "file defining model() -> torch.nn.Module and, for --measure, step(model) (one forward "
+                         "and backward on the module's device)")
+    return mod
+
+
+def measure_command(a) -> int:
+    """``--measure``: the calibration of this job, with the step's compute time when a model file is given."""
+    from .calibration import measure_to_file
+
+    step = None
+    if a.model_file:
+        import horovod.torch as hvd
+        import torch
+
+        mod = load_model_file(a.model_file, measure=True)
+        hvd.init()
+        device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+        net = mod.model().to(device)
+        step = lambda: mod.step(net)  # noqa: E731
+    measure_to_file(a.out, methods=a.methods, step=step)
+    return 0
+
+
+def model_input(a):
+    """The planner's model from the command line: a published name, a parameter count, sizes or a file."""
+    if a.model:
+        return a.model
+    if a.params:
+        return int(a.params)
+    if a.sizes:
+        return parse_sizes(a.sizes)
+    if a.model_file:
+        return load_model_file(a.model_file).model()
+    raise SystemExit("give --model NAME, --params COUNT, --sizes LIST or --model-file FILE")
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.measure:
-        from .calibration import measure_to_file
-
-        measure_to_file(a.out, methods=a.methods)
-        return 0
+        return measure_command(a)
     from ..exchange.cost import LinkModel
     from ..exchange.calibration import load
 
@@ -54,9 +121,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown --cluster {a.cluster!r}; accepted: {', '.join(presets.CLUSTERS)}")
     inter = LinkModel(alpha=base.inter.alpha, bandwidth=a.inter_gbps * presets.GBIT) if a.inter_gbps else None
     intra = LinkModel(alpha=base.intra.alpha, bandwidth=a.intra_gbps * presets.GBIT) if a.intra_gbps else None
-    model = a.model if a.model else int(a.params) if a.params else None
-    if model is None:
-        raise SystemExit("give --model NAME or --params COUNT")
+    model = model_input(a)
     try:   # a bad input says what was wrong and what is accepted, without a traceback
         p = plan(model, compute_s=None if a.compute_ms is None else a.compute_ms / 1e3, cluster=base,
                  nodes=a.nodes, gpus_per_node=a.gpus_per_node, intra=intra, inter=inter, methods=a.methods,

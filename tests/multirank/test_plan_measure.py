@@ -31,3 +31,29 @@ def test_measure_writes_a_calibration_the_planner_reads(tmp_path):
     assert p.returncode == 0, p.stderr
     bw = cal["links"]["intra"]["bandwidth"] * 8 / 1e9
     assert f"intra {bw:.3g} Gbit/s" in p.stdout and "| qsgd:bits=8 | twophase |" in p.stdout
+
+
+def test_measure_with_a_model_file_times_its_step(tmp_path):
+    """``--model-file``: the step's compute time and each collective's cost inside a step, which the
+    planner then prices with (no --compute-ms needed)."""
+    net, out = tmp_path / "net.py", tmp_path / "calib.json"
+    net.write_text("import torch\n\n"
+                   "def model():\n"
+                   "    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))\n\n"
+                   "def step(m):\n"
+                   "    x = torch.randn(64, 256, device=next(m.parameters()).device)\n"
+                   "    m(x).square().mean().backward()\n")
+    hvdrun = str(ROOT / ".venv" / "bin" / "horovodrun") if (ROOT / ".venv" / "bin" / "horovodrun").exists() \
+        else "horovodrun"
+    cmd = [hvdrun, "-np", "2", "--gloo", sys.executable, "-m", "hvd_ext.plan", "--measure", "--model-file", str(net),
+           "--methods", "qsgd:bits=8", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=str(ROOT))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    cal = json.loads(out.read_text())
+    assert 0 < cal["compute_s"] < 1.0
+    assert set(cal["links"]["flat"]["busy_lat_by_kind"]) == {"allreduce", "allgather", "alltoall"}
+    p = subprocess.run([sys.executable, "-m", "hvd_ext.plan", "--model-file", str(net), "--calibration", str(out),
+                        "--methods", "qsgd:bits=8"], capture_output=True, text=True, timeout=120, env=_env(),
+                       cwd=str(ROOT))
+    assert p.returncode == 0, p.stderr
+    assert f"compute {cal['compute_s'] * 1e3:.1f} ms/step" in p.stdout

@@ -249,6 +249,54 @@ def test_command_line_writes_table_json_and_plot(tmp_path):
     assert "Traceback" not in bad.stderr
 
 
+MODEL_FILE = """
+import torch
+
+def model():
+    return torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+def step(m):
+    x = torch.randn(16, 40, device=next(m.parameters()).device)
+    m(x).square().mean().backward()
+"""
+
+
+def test_command_line_takes_tensor_sizes_and_a_model_file(tmp_path):
+    from hvd_ext.plan.__main__ import main
+    net = tmp_path / "net.py"
+    net.write_text(MODEL_FILE)
+    args = ["--compute-ms", "5", "--cluster", "pcie-consumer-10gbe", "--methods", "qsgd:bits=8"]
+    for what, params, tensors in ((["--model-file", str(net)], 40 * 64 + 64 + 64 * 10 + 10, 4),
+                                  (["--sizes", "4096x1024, 1024"], 4096 * 1024 + 1024, 2)):
+        out = tmp_path / "plan.json"
+        assert main(what + args + ["--json", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        assert (doc["inputs"]["params"], doc["inputs"]["tensors"]) == (params, tensors)
+    # the file's module gives the rows plan() gives for the module itself
+    module = torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    p = plan(module, compute_s=0.005, cluster="pcie-consumer-10gbe", methods=["qsgd:bits=8"])
+    assert main(["--model-file", str(net)] + args + ["--json", str(out)]) == 0
+    rows = {(r["method"], r["route"]): r["step_s"] for r in json.loads(out.read_text())["rows"]}
+    assert rows[("horovod", "allreduce")] == pytest.approx(p.row("horovod").step_s)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--sizes", "0x3"], "accepted: tensor sizes or shapes >= 1"),
+    (["--sizes", "4096,a"], "accepted: tensor sizes or shapes >= 1"),
+    (["--model-file", "MISSING"], "no file"),
+    (["--model-file", "NOMODEL"], "defines no model()"),
+    (["--measure", "--model-file", "NOSTEP"], "defines no step()"),   # before any collective
+])
+def test_command_line_model_inputs_refuse_bad_values(tmp_path, argv, needle):
+    from hvd_ext.plan.__main__ import main
+    (tmp_path / "nomodel.py").write_text("import torch\n")
+    (tmp_path / "nostep.py").write_text(MODEL_FILE.split("def step")[0])
+    files = {"MISSING": str(tmp_path / "missing.py"), "NOMODEL": str(tmp_path / "nomodel.py"),
+             "NOSTEP": str(tmp_path / "nostep.py")}
+    with pytest.raises(SystemExit, match=needle):
+        main([files.get(a, a) for a in argv] + ["--compute-ms", "5"])
+
+
 def test_presets_cite_their_sources():
     for c in CLUSTERS.values():
         assert len(c.source) > 40 and c.inter.bandwidth > 0
