@@ -14,6 +14,7 @@ runs one forward and backward of a training batch on the module's device.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import json
 import sys
@@ -61,13 +62,16 @@ def parse_sizes(text: str) -> list:
 
 
 def load_model_file(path: str, measure: bool = False):
-    """The module ``path`` defines: its ``model()`` is required, and with ``measure`` its ``step(model)``."""
+    """The module ``path`` defines, loaded as ``python path`` would run it (its folder importable): its
+    ``model()`` is required, and with ``measure`` its ``step(model)``."""
     file = Path(path)
     if not file.is_file():
         raise SystemExit(f"--model-file: no file {path!r}; accepted: a Python file defining model()")
-    spec = importlib.util.spec_from_file_location(f"hvd_ext_plan_model_{file.stem}", file)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    loader = importlib.machinery.SourceFileLoader(f"hvd_ext_plan_model_{file.stem}", str(file))
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    sys.modules[loader.name] = mod      # as for any imported module (dataclasses, pickling look it up)
+    sys.path.insert(0, str(file.resolve().parent))
+    loader.exec_module(mod)
     needed = ["model", "step"] if measure else ["model"]
     missing = [n for n in needed if not callable(getattr(mod, n, None))]
     if missing:
@@ -77,19 +81,41 @@ def load_model_file(path: str, measure: bool = False):
     return mod
 
 
+def build_model(mod, path: str):
+    """``mod.model()``, refused unless it is a torch module."""
+    import torch
+
+    net = mod.model()
+    if not isinstance(net, torch.nn.Module):
+        raise SystemExit(f"--model-file {path}: model() returned {type(net).__name__}; accepted: a torch.nn.Module")
+    return net
+
+
+NOT_MEASURED = ("model", "params", "sizes", "compute_ms")   # inputs of a plan, not of a measurement
+
+
 def measure_command(a) -> int:
-    """``--measure``: the calibration of this job, with the step's compute time when a model file is given."""
+    """``--measure``: the calibration of this job, with the step's compute time when a model file is given.
+    Bad input is refused before any collective."""
     from .calibration import measure_to_file
 
+    given = [f"--{k.replace('_', '-')}" for k in NOT_MEASURED if getattr(a, k) is not None]
+    if given:
+        raise SystemExit(f"--measure: {', '.join(given)} not used in a measurement; accepted with --measure: "
+                         "--model-file FILE (to time its step), --methods, --out")
     step = None
     if a.model_file:
         import horovod.torch as hvd
         import torch
 
         mod = load_model_file(a.model_file, measure=True)
+        net = build_model(mod, a.model_file)
         hvd.init()
-        device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
-        net = mod.model().to(device)
+        device = torch.device("cpu")
+        if torch.cuda.is_available():   # the rank's own GPU, also for tensors step() makes on "cuda"
+            torch.cuda.set_device(hvd.local_rank())
+            device = torch.device("cuda", hvd.local_rank())
+        net = net.to(device)
         step = lambda: mod.step(net)  # noqa: E731
     measure_to_file(a.out, methods=a.methods, step=step)
     return 0
@@ -104,7 +130,7 @@ def model_input(a):
     if a.sizes:
         return parse_sizes(a.sizes)
     if a.model_file:
-        return load_model_file(a.model_file).model()
+        return build_model(load_model_file(a.model_file), a.model_file)
     raise SystemExit("give --model NAME, --params COUNT, --sizes LIST or --model-file FILE")
 
 

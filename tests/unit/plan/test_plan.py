@@ -277,7 +277,19 @@ def test_command_line_takes_tensor_sizes_and_a_model_file(tmp_path):
     p = plan(module, compute_s=0.005, cluster="pcie-consumer-10gbe", methods=["qsgd:bits=8"])
     assert main(["--model-file", str(net)] + args + ["--json", str(out)]) == 0
     rows = {(r["method"], r["route"]): r["step_s"] for r in json.loads(out.read_text())["rows"]}
-    assert rows[("horovod", "allreduce")] == pytest.approx(p.row("horovod").step_s)
+    assert rows == pytest.approx({(r["method"], r["route"]): r["step_s"] for r in p.records()})
+    assert ("qsgd:bits=8", "twophase") in rows
+
+
+def test_model_file_loads_as_python_runs_it(tmp_path):
+    """Any file name; its folder importable; dataclasses under postponed annotations (sys.modules)."""
+    from hvd_ext.plan.__main__ import build_model, load_model_file
+    (tmp_path / "layers.py").write_text("import torch\nWIDTH = 32\n")
+    net = tmp_path / "net.model"
+    net.write_text("from __future__ import annotations\nimport dataclasses\nimport torch\nfrom layers import WIDTH\n\n"
+                   "@dataclasses.dataclass\nclass Config:\n    width: int = WIDTH\n\n"
+                   "def model():\n    return torch.nn.Linear(8, Config().width)\n")
+    assert tuple(build_model(load_model_file(str(net)), str(net)).weight.shape) == (32, 8)
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -285,16 +297,31 @@ def test_command_line_takes_tensor_sizes_and_a_model_file(tmp_path):
     (["--sizes", "4096,a"], "accepted: tensor sizes or shapes >= 1"),
     (["--model-file", "MISSING"], "no file"),
     (["--model-file", "NOMODEL"], "defines no model()"),
-    (["--measure", "--model-file", "NOSTEP"], "defines no step()"),   # before any collective
+    (["--model-file", "NOTMODULE"], "model\\(\\) returned NoneType; accepted: a torch.nn.Module"),
+    (["--measure", "--model-file", "NOSTEP"], "defines no step()"),
+    (["--measure", "--model-file", "NOTMODULE"], "accepted: a torch.nn.Module"),
+    (["--measure", "--params", "1e6"], "--params not used in a measurement; accepted with --measure"),
+    (["--measure", "--model-file", "GOOD", "--compute-ms", "5"], "--compute-ms not used in a measurement"),
 ])
-def test_command_line_model_inputs_refuse_bad_values(tmp_path, argv, needle):
+def test_command_line_model_inputs_refuse_bad_values(tmp_path, monkeypatch, argv, needle):
+    """Each bad input says what is accepted, and --measure refuses it before any collective."""
+    import horovod.torch as hvd
+
     from hvd_ext.plan.__main__ import main
+
+    def no_collective():
+        raise AssertionError("hvd.init() ran before the bad input was refused")
+    monkeypatch.setattr(hvd, "init", no_collective)
     (tmp_path / "nomodel.py").write_text("import torch\n")
     (tmp_path / "nostep.py").write_text(MODEL_FILE.split("def step")[0])
+    (tmp_path / "notmodule.py").write_text("def model():\n    return None\n\ndef step(m):\n    pass\n")
+    (tmp_path / "good.py").write_text(MODEL_FILE)
     files = {"MISSING": str(tmp_path / "missing.py"), "NOMODEL": str(tmp_path / "nomodel.py"),
-             "NOSTEP": str(tmp_path / "nostep.py")}
+             "NOSTEP": str(tmp_path / "nostep.py"), "NOTMODULE": str(tmp_path / "notmodule.py"),
+             "GOOD": str(tmp_path / "good.py")}
+    argv = [files.get(a, a) for a in argv]
     with pytest.raises(SystemExit, match=needle):
-        main([files.get(a, a) for a in argv] + ["--compute-ms", "5"])
+        main(argv if "--measure" in argv else argv + ["--compute-ms", "5"])
 
 
 def test_presets_cite_their_sources():
