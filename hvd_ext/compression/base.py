@@ -24,7 +24,7 @@ module, memory and communication kept apart).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 
@@ -255,10 +255,14 @@ class Compressor:
         """Exact payload bytes for a tensor of ``numel`` elements, if fixed (else None)."""
         return None
 
-    def expected_bytes(self, numel: int) -> Optional[float]:
-        """Payload bytes a tensor of ``numel`` elements is expected to take where the data decide them
-        (the cost model prices with it); default: :meth:`wire_bytes`."""
-        return self.wire_bytes(numel)
+    def expected_piece_bytes(self, numels: Sequence[int],
+                             pieces: Sequence[Sequence[int]]) -> Optional[List[List[float]]]:
+        """The payload bytes each piece of each tensor of a bucket is expected to take (tensor i has
+        ``numels[i]`` elements, coded in pieces of ``pieces[i]`` elements, as a two-phase route cuts
+        it), where the data decide them -- the cost model prices with it -- or None; default:
+        :meth:`wire_bytes` of every piece."""
+        out = [[self.wire_bytes(int(k)) for k in ps] for ps in pieces]
+        return None if any(b is None for ps in out for b in ps) else [[float(b) for b in ps] for ps in out]
 
     # ---- state (part of the optimizer checkpoint) ------------------------------
     def commit(self) -> None:

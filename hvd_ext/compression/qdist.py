@@ -205,6 +205,33 @@ _DECODE_B = _cpu.Kernel(_decode_buckets, "qdist bucket decode")
 
 # ---- the compressor -------------------------------------------------------------------------
 
+def allocate_bits(layers, budget: float) -> list:
+    """Whole bits per layer (1 to 8) under ``budget`` bits per element over the layers, each layer
+    given as (elements, variance, shape, grid index): greedily the next bit where it lowers the
+    variance-weighted distortion most and still fits."""
+    total = math.floor(budget * sum(n for n, _, _, _ in layers) + 1e-9)
+    bits = [1] * len(layers)
+    used = sum(n for n, _, _, _ in layers)
+
+    def gain(i):
+        _, var, shape, k = layers[i]
+        b = bits[i]
+        return var * (level_table(shape, b, k)[1] - level_table(shape, b + 1, k)[1])
+
+    heap = [(-gain(i), i) for i in range(len(layers))]
+    heapq.heapify(heap)
+    while heap:
+        g, i = heapq.heappop(heap)
+        n = layers[i][0]
+        if used + n > total:
+            continue  # this layer no longer fits; smaller ones may
+        bits[i] += 1
+        used += n
+        if bits[i] < 8:
+            heapq.heappush(heap, (-gain(i), i))
+    return bits
+
+
 @register("qdist")
 class QDistCompressor(Compressor):
     collective = "allgather"
@@ -263,26 +290,7 @@ class QDistCompressor(Compressor):
             layers.append((info, n, sigma * sigma, shape, grid_index(t)))
         if not layers:
             return
-        total = math.floor(self.budget * sum(n for _, n, _, _, _ in layers) + 1e-9)
-        bits = [1] * len(layers)
-        used = sum(n for _, n, _, _, _ in layers)
-
-        def gain(i):
-            _, n, var, shape, k = layers[i]
-            b = bits[i]
-            return var * (level_table(shape, b, k)[1] - level_table(shape, b + 1, k)[1])
-
-        heap = [(-gain(i), i) for i in range(len(layers))]
-        heapq.heapify(heap)
-        while heap:
-            g, i = heapq.heappop(heap)
-            n = layers[i][1]
-            if used + n > total:
-                continue  # this layer no longer fits; smaller ones may
-            bits[i] += 1
-            used += n
-            if bits[i] < 8:
-                heapq.heappush(heap, (-gain(i), i))
+        bits = allocate_bits([(n, var, shape, k) for _, n, var, shape, k in layers], self.budget)
         for (info, *_), b in zip(layers, bits):
             self._alloc[info.name] = (info.step, b)
 
@@ -588,15 +596,13 @@ class QDistCompressor(Compressor):
             return None
         return self.payload_bytes(numel, self.bits)
 
-    def expected_bytes(self, numel):
-        """Under a budget a layer's bits are allocated from the gradients: priced at the budget, between
-        the sizes at the whole bits below and above it."""
+    def expected_piece_bytes(self, numels, pieces):
+        """Under a budget the bits of each layer are allocated over the bucket from its gradients: priced by
+        the same allocation for layers alike in all but size (a variance and a fit none yet has)."""
         if not self.budget:
-            return self.wire_bytes(numel)
-        lo = max(1, min(8, math.floor(self.budget)))
-        hi = min(8, lo + 1)
-        frac = min(max(self.budget - lo, 0.0), 1.0)
-        return (1.0 - frac) * self.payload_bytes(numel, lo) + frac * self.payload_bytes(numel, hi)
+            return super().expected_piece_bytes(numels, pieces)
+        bits = allocate_bits([(int(n), 1.0, "gaussian", grid_index(4.0)) for n in numels], self.budget)
+        return [[float(self.payload_bytes(int(k), b)) for k in ps] for ps, b in zip(pieces, bits)]
 
     def payload_bytes(self, numel: int, bits: int) -> int:
         """Exact bytes of one layer of ``numel`` elements at ``bits`` (see the module docstring)."""

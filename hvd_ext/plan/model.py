@@ -31,7 +31,8 @@ import torch
 from ..compression.base import Compressor, TensorInfo
 from ..exchange import cost
 from ..exchange.core import frame_size
-from ..exchange.routes import codec_node_aware_reason, estimated_payload_bytes, route_payload
+from ..exchange.routes import (codec_node_aware_reason, estimated_bucket_bytes, estimated_payload_bytes,
+                               route_payload)
 from ..exchange.routes.base import segments, sends_flat
 from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
 from ..spec import compression_from_spec
@@ -323,32 +324,51 @@ def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: 
         return float(sum(tensor_payload(comp, s) for s in shapes))
     if route.endswith("sparse_rs"):
         return sparse_payload(comp, shapes, route, parts, local)
-    if route.endswith("twophase") and parts > 1 and comp.expected_bytes(1) is not None:
+    numels = [math.prod(s) for s in shapes]
+    if route.endswith("twophase") and parts > 1 and comp.expected_piece_bytes(numels, [[n] for n in numels]) is not None:
         return twophase_payload(comp, shapes, parts)
     sizes = gathered_sizes(comp, shapes) if route.endswith("allgather") else None
     if sizes is not None:
         return float(frame_size(sizes))
+    if comp.expected_piece_bytes(numels, [[n] for n in numels]) is not None:
+        return estimated_bucket_bytes(comp, numels)   # sizes the data decide, over the bucket
     return float(sum(tensor_payload(comp, s) for s in shapes))
 
 
 def twophase_payload(comp: Compressor, shapes: Sequence[tuple], parts: int) -> float:
     """The two-phase route's bytes as a payload (its wire is 2(N-1)/N x this): each phase sends every
     shard as one frame, every frame with as many slots as the fullest shard (empty ones: 0 bytes); the
-    first phase's segments at the codec's size (``Compressor.expected_bytes``), the owners' re-coded
-    ones at ``payload_size(recoded=True)`` where every rank knows it (qdist under a budget re-codes at
-    whole bits)."""
-    shards = segments([math.prod(s) for s in shapes], parts)
+    first phase's segments at the codec's size (``Compressor.expected_piece_bytes``, each tensor cut
+    into its segments), the owners' re-coded ones at ``payload_size(recoded=True)`` where every rank
+    knows it (qdist under a budget re-codes at whole bits). Uneven shards load the alltoall unevenly:
+    priced by the ranks' mean of what each link carries."""
+    numels = [math.prod(s) for s in shapes]
+    shards = segments(numels, parts)
     width = max(len(shard) for shard in shards)
+    pieces: List[List[int]] = [[] for _ in numels]
+    for shard in shards:
+        for i, a, b in shard:
+            pieces[i].append(b - a)
+    expected = comp.expected_piece_bytes(numels, pieces)
+    first, seen = {}, [0] * len(numels)
+    for shard in shards:
+        for i, a, b in shard:
+            first[(i, a)] = expected[i][seen[i]]
+            seen[i] += 1
 
-    def frames(size_of) -> int:
-        return sum(frame_size([int(round(size_of(i, a, b))) for i, a, b in shard] + [0] * (width - len(shard)))
-                   for shard in shards)
+    def frames(size_of) -> List[int]:
+        return [frame_size([int(round(size_of(i, a, b))) for i, a, b in shard] + [0] * (width - len(shard)))
+                for shard in shards]
 
     def owner(i: int, a: int, b: int) -> float:
         known = recoded_size(comp, i, a, b)
-        return comp.expected_bytes(b - a) if known is None else known
+        return first[(i, a)] if known is None else known
 
-    return (frames(lambda i, a, b: comp.expected_bytes(b - a)) + frames(owner)) / 2.0
+    # the alltoall: rank j receives N-1 frames of shard j and sends one of every other shard, and a
+    # link is busy for the larger of the two (cost.alltoall_wire); the allgather: all frames but its own
+    f1, f2 = frames(lambda i, a, b: first[(i, a)]), frames(owner)
+    alltoall = sum(max(sum(f1) - f, (parts - 1) * f) for f in f1) / parts
+    return (alltoall * parts / (parts - 1) + sum(f2)) / 2.0
 
 
 def sparse_payload(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int) -> float:

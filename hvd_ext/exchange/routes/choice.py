@@ -26,11 +26,17 @@ _warned = set()
 
 
 def estimated_payload_bytes(comp: Compressor, numel: int) -> float:
-    """Bytes of one rank's payload for ``numel`` elements: exact or expected when the codec says
-    (``Compressor.expected_bytes``), else from its ratio."""
-    wb = comp.expected_bytes(numel)
-    if wb is not None:
-        return float(wb)
+    """Bytes of one rank's payload for a tensor of ``numel`` elements (:func:`estimated_bucket_bytes`)."""
+    return estimated_bucket_bytes(comp, [numel])
+
+
+def estimated_bucket_bytes(comp: Compressor, numels: Sequence[int]) -> float:
+    """Bytes of one rank's payloads for a bucket of tensors of ``numels`` elements: exact or expected
+    when the codec says (``Compressor.expected_piece_bytes``), else from its ratio."""
+    sizes = comp.expected_piece_bytes(numels, [[n] for n in numels])
+    if sizes is not None:
+        return float(sum(s for ps in sizes for s in ps))
+    numel = int(sum(numels))
     if comp.sparse:
         ratio = float(getattr(comp, "ratio", 0.01))
         vb = 2 if getattr(comp, "values", "fp32") == "fp16" else 4
@@ -75,7 +81,7 @@ def route_payload(comp: Compressor, kind: str, numels: Sequence[int], size: int,
         if local > 1:
             return sparse_rs_payload_on_nodes(comp, numels, size, local)
         return sparse_rs_payload(comp, numels, size)
-    return estimated_payload_bytes(comp, int(sum(numels)))
+    return estimated_bucket_bytes(comp, numels)
 
 
 def node_aware_reason(comp: Compressor, exchange: Optional[Exchange]) -> Optional[str]:
