@@ -170,6 +170,42 @@ def worker_args(args) -> List[str]:
             "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
 
 
+def main_cnn_run(method: str, channels: int, spec: Optional[str] = None):
+    """(model, optimizer) of the main job's CNN (MNIST-1D, SGD with momentum 0.9, seed 0) for ``method``:
+    ``compute`` (no exchange), ``horovod`` / ``horovod fp16`` (Horovod's own optimizer), else hvd_ext's
+    optimizer with ``spec`` (default: the method). Call after ``hvd.init()``."""
+    import horovod.torch as hvd
+    import torch
+
+    import hvd_ext
+    from hvd_ext.examples.mnist1d import MNIST1DCNN
+
+    torch.manual_seed(0)
+    model = MNIST1DCNN(channels)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if method.startswith("horovod"):
+        comp = hvd.Compression.fp16 if method.endswith("fp16") else hvd.Compression.none
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
+    elif method != "compute":
+        opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=spec or method)
+    return model, opt
+
+
+def main_cnn_step(batch: int) -> Callable:
+    """A step of a :func:`main_cnn_run` on one fixed random batch of ``batch`` samples."""
+    import torch
+    import torch.nn.functional as F
+
+    x, y = torch.randn(batch, 40), torch.randint(0, 10, (batch,))
+
+    def step(run):
+        model, opt = run
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return step
+
+
 def time_in_turns(runs: Dict, step: Callable, rounds: int, steps: int, sync: Callable[[str], None]) -> Dict:
     """Seconds per step of each of ``runs`` (key -> what ``step`` takes): ``rounds`` rounds in which every
     run takes ``steps`` steps in turn, so the machine's drift hits them alike; ``sync(name)`` lines the

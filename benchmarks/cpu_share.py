@@ -47,32 +47,13 @@ def timed_turns(runs, step, rounds: int, steps: int, sync) -> dict:
 def worker(args) -> None:
     import horovod.torch as hvd
     import torch
-    import torch.nn.functional as F
 
-    import hvd_ext
-    from hvd_ext.examples.mnist1d import MNIST1DCNN
+    import common
 
     hvd.init()
     torch.set_num_threads(1)
-    x, y = torch.randn(args.batch, 40), torch.randint(0, 10, (args.batch,))
-
-    def make(method):
-        torch.manual_seed(0)
-        model = MNIST1DCNN(args.channels)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        if method == "horovod":
-            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-        elif method != "compute":
-            opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=method)
-        return model, opt
-
-    def step(run):
-        model, opt = run
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    runs = {m: make(m) for m in METHODS}
+    step = common.main_cnn_step(args.batch)
+    runs = {m: common.main_cnn_run(m, args.channels) for m in METHODS}
     for run in runs.values():
         for _ in range(args.warmup):
             step(run)

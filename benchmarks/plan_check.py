@@ -57,11 +57,8 @@ METHODS = {
 def worker(args) -> None:
     import horovod.torch as hvd
     import torch
-    import torch.nn.functional as F
 
     import common
-    import hvd_ext
-    from hvd_ext.examples.mnist1d import MNIST1DCNN
     from hvd_ext.exchange.routes.sparse_rs import REBALANCE_EVERY
     from hvd_ext.plan import plan
     from hvd_ext.plan.calibration import measure
@@ -69,28 +66,12 @@ def worker(args) -> None:
     hvd.init()
     torch.set_num_threads(1)
     N = hvd.size()
-    x, y = torch.randn(args.batch, 40), torch.randint(0, 10, (args.batch,))
+    step = common.main_cnn_step(args.batch)
 
-    def make(m):
-        torch.manual_seed(0)
-        model = MNIST1DCNN(args.channels)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        if m == "compute":
-            pass
-        elif m.startswith("horovod"):
-            comp = hvd.Compression.fp16 if m.endswith("fp16") else hvd.Compression.none
-            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
-        else:  # across nodes, the route the model picks from the start (no flat / node-aware trial in the timing)
-            spec = m + (",hierarchy_trial=0" if hvd.cross_size() > 1 else "")
-            opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=spec)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        return model, opt
-
-    def step(run):
-        model, opt = run
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    def make(m):  # across nodes, the route the model picks from the start (no flat / node-aware trial in the timing)
+        run = common.main_cnn_run(m, args.channels, m + (",hierarchy_trial=0" if hvd.cross_size() > 1 else ""))
+        hvd.broadcast_parameters(run[0].state_dict(), root_rank=0)
+        return run
 
     floor = make("compute")
     for _ in range(3):

@@ -31,34 +31,18 @@ WAITS = ("spin", "sleep")
 def worker(args) -> None:
     import horovod.torch as hvd
     import torch
-    import torch.nn.functional as F
 
     import common
-    import hvd_ext
-    from hvd_ext.examples.mnist1d import MNIST1DCNN
 
     hvd.init()
     torch.set_num_threads(1)
-    x, y = torch.randn(args.batch, 40), torch.randint(0, 10, (args.batch,))
+    step = common.main_cnn_step(args.batch)
 
     def make(method, wait):
-        torch.manual_seed(0)
-        model = MNIST1DCNN(args.channels)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        if method == "horovod":
-            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-        else:
-            os.environ["HVD_EXT_WAIT"] = wait  # read when the optimizer's transport is made
-            # across nodes, the route the model picks from the start (no flat / node-aware trial)
-            spec = method + ((":" if ":" not in method else ",") + "hierarchy_trial=0" if hvd.cross_size() > 1 else "")
-            opt = hvd_ext.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=spec)
-        return model, opt
-
-    def step(run):
-        model, opt = run
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+        os.environ["HVD_EXT_WAIT"] = wait  # read when the optimizer's transport is made
+        # across nodes, the route the model picks from the start (no flat / node-aware trial)
+        spec = method + ((":" if ":" not in method else ",") + "hierarchy_trial=0" if hvd.cross_size() > 1 else "")
+        return common.main_cnn_run(method, args.channels, spec)
 
     runs = {("horovod", "spin"): make("horovod", "spin")}
     runs.update({(m, w): make(m, w) for m in METHODS for w in WAITS})

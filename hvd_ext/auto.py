@@ -524,7 +524,7 @@ class AutoTuner(Policy):
                 # the route by the cost model with this job's measured link and codec speed (across
                 # nodes: the node links the exchange measured once, Exchange.node_model)
                 link = cost.LinkModel(alpha=m.lat, bandwidth=m.bw, codec=numel / max(enc + dec, 1e-9))
-                kind = choose_route(c, c.route, numel, pipe.size, link=link,
+                kind = choose_route(c, c.route, [p.numel() for p in b.params], pipe.size, link=link,
                                     exchange=pipe.exchange, codec=link.codec, device=b.params[0].device)
                 kinds.append(kind)
                 if kind == "sparse_rs" and priced_as_pairs(c):  # its pairs travel, not the codec's payload

@@ -273,9 +273,12 @@ class QDistCompressor(Compressor):
         return dist, float(mu), float(sigma), float(t)
 
     def bits_for(self, info) -> int:
-        got = self._alloc.get(getattr(info, "base_name", None) or info.name)
-        if got is not None and got[0] == info.step:
-            return got[1]
+        """This step's allocation for the layer: under its own name (a node-aware route's inner record is
+        allocated as such), else its tensor's (a two-phase segment); else :meth:`uniform_bits`."""
+        for key in (info.name, getattr(info, "base_name", None)):
+            got = self._alloc.get(key) if key else None
+            if got is not None and got[0] == info.step:
+                return got[1]
         return self.uniform_bits()
 
     def prepare_bucket(self, items):

@@ -70,8 +70,15 @@ def load_model_file(path: str, measure: bool = False):
     loader = importlib.machinery.SourceFileLoader(f"hvd_ext_plan_model_{file.stem}", str(file))
     mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
     sys.modules[loader.name] = mod      # as for any imported module (dataclasses, pickling look it up)
-    sys.path.insert(0, str(file.resolve().parent))
-    loader.exec_module(mod)
+    folder = str(file.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    try:
+        loader.exec_module(mod)
+    except (Exception, SystemExit) as e:
+        del sys.modules[loader.name]
+        raise SystemExit(f"--model-file {path}: loading it raised {type(e).__name__}: {e}; accepted: a Python "
+                         "file defining model() (and step(model) for --measure)") from e
     needed = ["model", "step"] if measure else ["model"]
     missing = [n for n in needed if not callable(getattr(mod, n, None))]
     if missing:
@@ -91,7 +98,7 @@ def build_model(mod, path: str):
     return net
 
 
-NOT_MEASURED = ("model", "params", "sizes", "compute_ms")   # inputs of a plan, not of a measurement
+MEASURE_OPTIONS = ("measure", "model_file", "methods", "out")   # the rest are a plan's inputs and outputs
 
 
 def measure_command(a) -> int:
@@ -99,10 +106,12 @@ def measure_command(a) -> int:
     Bad input is refused before any collective."""
     from .calibration import measure_to_file
 
-    given = [f"--{k.replace('_', '-')}" for k in NOT_MEASURED if getattr(a, k) is not None]
+    defaults = vars(parse_args([]))
+    given = [f"--{k.replace('_', '-')}" for k, v in vars(a).items() if k not in MEASURE_OPTIONS and v != defaults[k]]
     if given:
         raise SystemExit(f"--measure: {', '.join(given)} not used in a measurement; accepted with --measure: "
-                         "--model-file FILE (to time its step), --methods, --out")
+                         "--model-file FILE (to time its step), --methods, --out (a plan reads the file with "
+                         "--calibration)")
     step = None
     if a.model_file:
         import horovod.torch as hvd
@@ -113,8 +122,8 @@ def measure_command(a) -> int:
         hvd.init()
         device = torch.device("cpu")
         if torch.cuda.is_available():   # the rank's own GPU, also for tensors step() makes on "cuda"
-            torch.cuda.set_device(hvd.local_rank())
-            device = torch.device("cuda", hvd.local_rank())
+            device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+            torch.cuda.set_device(device)
         net = net.to(device)
         step = lambda: mod.step(net)  # noqa: E731
     measure_to_file(a.out, methods=a.methods, step=step)

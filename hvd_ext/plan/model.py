@@ -343,6 +343,8 @@ def twophase_payload(comp: Compressor, shapes: Sequence[tuple], parts: int) -> f
     knows it (qdist under a budget re-codes at whole bits). Uneven shards load the alltoall unevenly:
     priced by the ranks' mean of what each link carries."""
     numels = [math.prod(s) for s in shapes]
+    if parts < 2:   # one rank: nothing is exchanged in pieces
+        return estimated_bucket_bytes(comp, numels)
     shards = segments(numels, parts)
     width = max(len(shard) for shard in shards)
     pieces: List[List[int]] = [[] for _ in numels]

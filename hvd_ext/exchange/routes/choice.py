@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -110,10 +110,11 @@ def codec_node_aware_reason(comp: Compressor) -> Optional[str]:
     return None
 
 
-def choose_route(comp: Compressor, mode: str, numel: int, size: int,
+def choose_route(comp: Compressor, mode: str, numel: Union[int, Sequence[int]], size: int,
                  link: Optional[cost.LinkModel] = None, exchange: Optional[Exchange] = None,
                  model: Optional[cost.NodeModel] = None, codec: Optional[float] = None, device=None) -> str:
-    """Route name for a bucket of ``numel`` elements (same inputs -> same answer on every rank).
+    """Route name for a bucket of ``numel`` elements, or of tensors of these sizes, which price a codec
+    whose payload depends on the layout as the planner does (same inputs -> same answer on every rank).
 
     With ``exchange`` (the pipeline's), a multi-node job and ``hierarchy=auto`` (the default), the
     node-aware route ``"node:<inner>"`` is returned when the cost model (:func:`cost.choose_hierarchy`)
@@ -125,14 +126,16 @@ def choose_route(comp: Compressor, mode: str, numel: int, size: int,
     return opts["node"] if opts["node"] is not None and opts["node_s"] < opts["flat_s"] else opts["flat"]
 
 
-def route_options(comp: Compressor, mode: str, numel: int, size: int,
+def route_options(comp: Compressor, mode: str, numel: Union[int, Sequence[int]], size: int,
                   link: Optional[cost.LinkModel] = None, exchange: Optional[Exchange] = None,
                   model: Optional[cost.NodeModel] = None, codec: Optional[float] = None,
                   device=None) -> Dict[str, Any]:
     """The flat route and, where the node-aware exchange can run, the node-aware one, with the
     seconds the cost model predicts for each: ``{"flat", "flat_s", "node", "node_s"}`` (``node`` is
     None, and the times are None, when only the flat route is possible). Same on every rank."""
-    flat = _choose_flat(comp, mode, numel, size, link)
+    sizes = tensor_sizes(numel)
+    numel = sum(sizes)
+    flat = _choose_flat(comp, mode, sizes, size, link)
     only_flat = {"flat": flat, "flat_s": None, "node": None, "node_s": None}
     hier = comp.hierarchy
     if hier not in HIERARCHY_CHOICES:
@@ -167,9 +170,9 @@ def route_options(comp: Compressor, mode: str, numel: int, size: int,
         flat_t = {"allreduce": cost.predict_flat("allreduce", numel, dense, M, L, model)}
         node_t = {"allreduce": cost.predict_node_aware("allreduce", numel, dense, M, L, model)}
     else:
-        flat_t = {ex: cost.predict_flat(ex, numel, route_payload(comp, ex, [numel], M * L), M, L, model)
+        flat_t = {ex: cost.predict_flat(ex, numel, route_payload(comp, ex, sizes, M * L), M, L, model)
                   for ex in cands}
-        node_t = {ex: cost.predict_node_aware(ex, numel, route_payload(comp, ex, [numel], M, L), M, L, model)
+        node_t = {ex: cost.predict_node_aware(ex, numel, route_payload(comp, ex, sizes, M, L), M, L, model)
                   for ex in cands}
     inner = min(cands, key=lambda ex: (node_t[ex], cands.index(ex)))   # ties: the first listed
     flat_s = min(flat_t.values())
@@ -178,7 +181,12 @@ def route_options(comp: Compressor, mode: str, numel: int, size: int,
     return {"flat": flat, "flat_s": float(flat_s), "node": NODE_PREFIX + inner, "node_s": float(min(node_t.values()))}
 
 
-def _choose_flat(comp: Compressor, mode: str, numel: int, size: int, link: Optional[cost.LinkModel]) -> str:
+def tensor_sizes(numel: Union[int, Sequence[int]]) -> List[int]:
+    """A bucket's tensor sizes: ``numel`` itself, or one tensor of ``numel`` elements."""
+    return [int(numel)] if isinstance(numel, int) else [int(n) for n in numel]
+
+
+def _choose_flat(comp: Compressor, mode: str, sizes: List[int], size: int, link: Optional[cost.LinkModel]) -> str:
     if mode not in ROUTE_CHOICES:
         raise ValueError(f"exchange must be one of {', '.join(ROUTE_CHOICES)}, got {mode!r}")
     if comp.collective == "allreduce":
@@ -192,6 +200,7 @@ def _choose_flat(comp: Compressor, mode: str, numel: int, size: int, link: Optio
     if mode == "twophase":
         return scalable
     link = link or cost.LinkModel()
-    t_gather = cost.predict("allgather", numel, route_payload(comp, "allgather", [numel], size), size, link)
-    t_scalable = cost.predict("twophase", numel, route_payload(comp, scalable, [numel], size), size, link)
+    numel = sum(sizes)
+    t_gather = cost.predict("allgather", numel, route_payload(comp, "allgather", sizes, size), size, link)
+    t_scalable = cost.predict("twophase", numel, route_payload(comp, scalable, sizes, size), size, link)
     return scalable if t_scalable < t_gather - 1e-15 else "allgather"

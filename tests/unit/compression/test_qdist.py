@@ -132,3 +132,19 @@ def test_qdist_budget_allocation():
     assert comp._alloc["a"] == (6, 3) and comp._alloc["b"] == (6, 3)
     assert comp.bits_for(info("a", big.shape, step=7)) == 3 and C("qdist:budget=2.5").bits_for(info("z", (3,))) == 2
     assert comp.wire_bytes(100) is None and not comp.fixed_size
+
+
+def test_qdist_budget_reaches_a_layer_by_its_own_name_or_its_tensors():
+    """A node-aware route's inner records are allocated under their own names (``w@0:node``); a two-phase
+    segment (``w@128``) under its tensor's. Each finds its allocation, not the budget's floor."""
+    from hvd_ext.compression.base import TensorInfo
+
+    comp = C("qdist:budget=3")
+    g = torch.Generator().manual_seed(2)
+    big, small = torch.randn(4000, generator=g), 1e-3 * torch.randn(4000, generator=g)
+    inner = [TensorInfo(name=f"{n}@0:node", shape=u.shape, step=5, base_name=n) for n, u in (("w0", big), ("w1", small))]
+    comp.prepare_bucket(list(zip((big, small), inner)))
+    assert [comp.bits_for(i) for i in inner] == [5, 1]
+    comp.prepare_bucket([(big, info("w0", big.shape, step=6)), (small, info("w1", small.shape, step=6))])
+    segment = TensorInfo(name="w0@128", shape=torch.Size([100]), step=6, base_name="w0")
+    assert comp.bits_for(segment) == 5

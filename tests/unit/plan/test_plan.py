@@ -281,9 +281,12 @@ def test_command_line_takes_tensor_sizes_and_a_model_file(tmp_path):
     assert ("qsgd:bits=8", "twophase") in rows
 
 
-def test_model_file_loads_as_python_runs_it(tmp_path):
+def test_model_file_loads_as_python_runs_it(tmp_path, monkeypatch):
     """Any file name; its folder importable; dataclasses under postponed annotations (sys.modules)."""
     from hvd_ext.plan.__main__ import build_model, load_model_file
+    monkeypatch.setattr(sys, "path", list(sys.path))          # the loader adds the file's folder
+    for name in ("layers", "hvd_ext_plan_model_net"):
+        monkeypatch.delitem(sys.modules, name, raising=False)  # restored (absent) after the test
     (tmp_path / "layers.py").write_text("import torch\nWIDTH = 32\n")
     net = tmp_path / "net.model"
     net.write_text("from __future__ import annotations\nimport dataclasses\nimport torch\nfrom layers import WIDTH\n\n"
@@ -302,6 +305,9 @@ def test_model_file_loads_as_python_runs_it(tmp_path):
     (["--measure", "--model-file", "NOTMODULE"], "accepted: a torch.nn.Module"),
     (["--measure", "--params", "1e6"], "--params not used in a measurement; accepted with --measure"),
     (["--measure", "--model-file", "GOOD", "--compute-ms", "5"], "--compute-ms not used in a measurement"),
+    (["--measure", "--json", "x.json"], "--json not used in a measurement"),
+    (["--model-file", "RAISES"], "loading it raised ImportError: no module named torchvision"),
+    (["--measure", "--model-file", "EXITS"], "loading it raised SystemExit: 0"),
 ])
 def test_command_line_model_inputs_refuse_bad_values(tmp_path, monkeypatch, argv, needle):
     """Each bad input says what is accepted, and --measure refuses it before any collective."""
@@ -316,9 +322,11 @@ def test_command_line_model_inputs_refuse_bad_values(tmp_path, monkeypatch, argv
     (tmp_path / "nostep.py").write_text(MODEL_FILE.split("def step")[0])
     (tmp_path / "notmodule.py").write_text("def model():\n    return None\n\ndef step(m):\n    pass\n")
     (tmp_path / "good.py").write_text(MODEL_FILE)
-    files = {"MISSING": str(tmp_path / "missing.py"), "NOMODEL": str(tmp_path / "nomodel.py"),
-             "NOSTEP": str(tmp_path / "nostep.py"), "NOTMODULE": str(tmp_path / "notmodule.py"),
-             "GOOD": str(tmp_path / "good.py")}
+    (tmp_path / "raises.py").write_text("raise ImportError('no module named torchvision')\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    files = {k: str(tmp_path / f"{k.lower()}.py") for k in ("MISSING", "NOMODEL", "NOSTEP", "NOTMODULE", "GOOD",
+                                                           "RAISES", "EXITS")}
     argv = [files.get(a, a) for a in argv]
     with pytest.raises(SystemExit, match=needle):
         main(argv if "--measure" in argv else argv + ["--compute-ms", "5"])

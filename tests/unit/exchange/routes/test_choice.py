@@ -128,3 +128,22 @@ def test_elastic_jobs_stay_flat(monkeypatch):
     monkeypatch.setenv("HOROVOD_ELASTIC", "1")
     assert choose_route(hvd_ext.compression_from_spec("qsgd:bits=8"), "auto", 10 ** 6, 4,
                         exchange=_Ex(Topology(0, 2, 0, 2))) == "twophase"
+
+
+def test_route_choice_prices_the_buckets_tensors(monkeypatch):
+    """Given the bucket's tensor sizes, the choice prices the layout as the planner does (a codec whose
+    payload depends on it: qdist's budget is allocated over the layers)."""
+    from hvd_ext.exchange.routes import choice
+    from hvd_ext.spec import compression_from_spec
+
+    seen, price = [], choice.route_payload
+
+    def spy(comp, kind, numels, *args, **kw):
+        seen.append(list(numels))
+        return price(comp, kind, numels, *args, **kw)
+    monkeypatch.setattr(choice, "route_payload", spy)
+    sizes = [4096 * 64, 64, 1024, 10]
+    choice.choose_route(compression_from_spec("qdist:budget=2.5"), "auto", sizes, 4)
+    assert seen and all(s == sizes for s in seen)
+    assert choice.choose_route(compression_from_spec("qdist:budget=2.5"), "auto", sum(sizes), 4) in ("allgather",
+                                                                                                  "twophase")
