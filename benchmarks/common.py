@@ -151,6 +151,15 @@ def two_nodes_launcher(rate: str, ranks_per_node: int = 2) -> List[str]:
             "--start-timeout", "120"]
 
 
+def add_world_options(ap, out: str, steps: int, rounds: int, ranks: List[int], rates: List[str]) -> None:
+    """A benchmark over worlds of ``--ranks`` ranks on links at ``--rates``: those, the options of
+    :func:`add_worker_options` and ``--allow-load``."""
+    ap.add_argument("--ranks", type=int, nargs="+", default=ranks)
+    ap.add_argument("--rates", nargs="+", default=rates)
+    add_worker_options(ap, out=out, steps=steps, rounds=rounds)
+    add_load_option(ap)
+
+
 def add_worker_options(ap, out: str, steps: int, rounds: int) -> None:
     """The options of a benchmark whose worlds each run one job of the main job's CNN, methods in turns
     (``--rounds`` of ``--steps`` steps), and its worker's hidden ones; :func:`worker_args` forwards them."""

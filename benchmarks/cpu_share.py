@@ -71,13 +71,10 @@ def worker(args) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--rates", nargs="+", default=["unshaped"])
     ap.add_argument("--also", nargs="*", default=["2:300mbit"], help="more worlds, RANKS:RATE")
     import common
 
-    common.add_worker_options(ap, out="cpu_share", steps=16, rounds=4)
-    common.add_load_option(ap)
+    common.add_world_options(ap, out="cpu_share", steps=16, rounds=4, ranks=[2, 4], rates=["unshaped"])
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)

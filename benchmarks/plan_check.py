@@ -127,14 +127,11 @@ def worker(args) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--rates", nargs="+", default=["300mbit", "unshaped"])
     ap.add_argument("--nodes2x2", nargs="*", default=[], help="also 2 nodes x 2 ranks at these inter-node rates")
+    ap.add_argument("--rescore", nargs="+", metavar="JSON", help="predict saved runs again (see the module doc)")
     import common
 
-    ap.add_argument("--rescore", nargs="+", metavar="JSON", help="predict saved runs again (see the module doc)")
-    common.add_worker_options(ap, out="plan_check", steps=10, rounds=4)
-    common.add_load_option(ap)
+    common.add_world_options(ap, out="plan_check", steps=10, rounds=4, ranks=[2, 4], rates=["300mbit", "unshaped"])
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)

@@ -60,13 +60,10 @@ def worker(args) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--rates", nargs="+", default=["unshaped"])
     ap.add_argument("--nodes2x2", nargs="*", default=["300mbit"])
     import common
 
-    common.add_worker_options(ap, out="wait_modes", steps=8, rounds=3)
-    common.add_load_option(ap)
+    common.add_world_options(ap, out="wait_modes", steps=8, rounds=3, ranks=[2, 4], rates=["unshaped"])
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
