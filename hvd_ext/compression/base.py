@@ -251,6 +251,11 @@ class Compressor:
         of a ``fixed_size`` codec."""
         return self.wire_bytes(info.numel) if self.fixed_size else None
 
+    def rounds(self, info: TensorInfo) -> int:
+        """How many allreduce rounds exchanging ``info``'s tensor takes on the allreduce route: each
+        after the first is asked for by ``decompress`` returning ``Continue`` (PowerSGD: 2). Default 1."""
+        return 1
+
     def wire_bytes(self, numel: int) -> Optional[int]:
         """Exact payload bytes for a tensor of ``numel`` elements, if fixed (else None)."""
         return None

@@ -89,6 +89,13 @@ class PowerSGDCompressor(Compressor):
         n, m, r = ms
         return 4 * (n + m) * r
 
+    def compressed_shape(self, info):
+        """(n, m, r) of the low-rank exchange of ``info``'s tensor at its step, or None (sent dense)."""
+        return self.matrix_shape(info.shape) if info.step >= self.warmup_length() else None
+
+    def rounds(self, info):
+        return 1 if self.compressed_shape(info) is None else 2  # P, then Q
+
     def wire_bytes(self, numel):
         return None  # depends on the shape: use wire_bytes_for(shape)
 
@@ -105,7 +112,7 @@ class PowerSGDCompressor(Compressor):
 
     # ---- codec ----------------------------------------------------------------------------------
     def compress(self, tensor, info):
-        ms = self.matrix_shape(info.shape) if info.step >= self.warmup_length() else None
+        ms = self.compressed_shape(info)
         if ms is None:
             return tensor.reshape(-1), ("dense",)
         n, m, r = ms

@@ -102,6 +102,7 @@ class BucketCost:
     latency: float       # seconds of per-message cost
     code: float          # codec seconds
     link_s: float        # latency + nic / bandwidth (+ the intra part of a node-aware exchange)
+    tail_s: float = 0.0  # the part of link_s that starts only once backward is over (later rounds)
 
     @property
     def seconds(self) -> float:
@@ -145,17 +146,23 @@ def collective_seconds(kinds: Sequence[str], first: Dict[str, float], then: Dict
 
 
 def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
-              sizes_known: bool = True) -> BucketCost:
+              sizes_known: bool = True, rounds: int = 1) -> BucketCost:
+    """A bucket on a flat route; ``rounds``: the allreduce rounds its codec takes
+    (``Compressor.rounds``), each after the first a collective that starts once backward is over
+    (:mod:`hvd_ext.exchange.routes.allreduce`) at the ranks-together cost."""
     N, L = c.size, c.local
     wire, code = cost.route_wire_and_code(kind, N, payload, enc, dec)
     base = "twophase" if kind == "sparse_rs" else kind
     messages = cost.per_rank(base, numel, payload, N)["messages"]
     nic = wire if (c.nodes == 1 or kind == "allreduce") else L * wire * (N - L) / (N - 1)
     link = c.link()
-    lat = messages * link.alpha
+    kinds = route_collectives(kind, sizes_known) * rounds
+    lat = messages * link.alpha * rounds
+    tail = messages * link.alpha * (rounds - 1)
     if c.collective_lat:
-        lat = collective_seconds(route_collectives(kind, sizes_known), c.collective_lat, c.idle_lat)
-    return BucketCost(numel, wire, nic, lat, code, lat + nic / link.bandwidth)
+        lat = collective_seconds(kinds, c.collective_lat, c.idle_lat)
+        tail = lat - collective_seconds(kinds[:len(kinds) // rounds], c.collective_lat, c.idle_lat)
+    return BucketCost(numel, wire, nic, lat, code, lat + nic / link.bandwidth, tail)
 
 
 def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: float, c: Cluster) -> BucketCost:
@@ -205,8 +212,9 @@ def step_seconds(bucket_costs: Sequence[BucketCost], compute_s: float, codec_on_
             busy = b.link_s
         else:
             busy = b.link_s + b.code
-        free = max(t, free) + busy
-    return max(t, free)
+        free = max(t, free) + busy - b.tail_s
+    # later rounds start once backward is over, queued behind every bucket's first
+    return max(t, free) + sum(b.tail_s for b in bucket_costs)
 
 
 def make_row(label: str, spec: Optional[str], route: str, costs: List[BucketCost], compute_s: float,
@@ -405,6 +413,13 @@ def codec_calls(comp: Compressor, shapes: Sequence[tuple], route: str, parts: in
                                                                          route[5:], parts)]
 
 
+def allreduce_rounds(comp: Compressor, shapes: Sequence[tuple]) -> int:
+    """The allreduce rounds a bucket of ``shapes`` takes in the steady state (``Compressor.rounds``):
+    the bucket's most."""
+    return max((comp.rounds(TensorInfo(name=f"t{i}", shape=torch.Size(s), step=STEADY_STEP))
+                for i, s in enumerate(shapes)), default=1)
+
+
 def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Sequence[tuple]],
                 c: Cluster) -> List[BucketCost]:
     costs = []
@@ -417,7 +432,8 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
         if route.startswith("node:"):
             costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c))
         else:
-            costs.append(flat_cost(route, n, payload, enc, dec, c, sizes_known(comp, shapes, route, parts)))
+            costs.append(flat_cost(route, n, payload, enc, dec, c, sizes_known(comp, shapes, route, parts),
+                                   allreduce_rounds(comp, shapes) if route == "allreduce" else 1))
     return costs
 
 

@@ -1,5 +1,11 @@
 """The allreduce route: linear codecs (none, fp16, bf16, PowerSGD's factors) summed by one fused
-allreduce per dtype; a codec that returns ``Continue`` gets further rounds (PowerSGD)."""
+allreduce per dtype; a codec that returns ``Continue`` gets further rounds (PowerSGD's ``Q``).
+
+A bucket whose codec asks for a second round (``Compressor.rounds``) starts it in ``progress()``,
+which the pipeline calls on every bucket before it waits for any: each bucket's next round is
+queued while later buckets' rounds are still in flight (as DDP chains PowerSGD's allreduces per
+bucket with futures), not after the buckets before it have finished. A one-round bucket is waited
+for in ``finish()`` only, so it never holds up a later bucket's ``progress()``."""
 from __future__ import annotations
 
 from typing import List, Optional
@@ -22,31 +28,41 @@ class AllreduceRoute(Route):
         self.records = records
         self._pending = self.exchange.start_allreduce(f"hvd_ext.ar.{self.tag}", [r.payload for r in records],
                                                       nonfinite, reuse=self.comp.transient_results)
+        self._ctxs = [r.ctx for r in records]
+        self._results: List[Optional[torch.Tensor]] = [None] * len(records)
+        self._todo = list(range(len(records)))
+        self._round = 1
+        self._nf = None  # the first round's non-finite flag, once it is waited for
+        self._more = any(self.comp.rounds(r.info) > 1 for r in records)
+
+    def _next_round(self) -> None:
+        """Wait for the round in flight and decode it; start the next round for the records whose
+        codec asks for one (``Continue``)."""
+        reduced, nf = self.exchange.finish_allreduce(self._pending)
+        if self._nf is None:  # finish_allreduce tested the first round's sums for NaN/Inf
+            self._nf = nf
+        again, payloads = [], []
+        for j, i in enumerate(self._todo):
+            out = self.comp.decompress(reduced[j], self._ctxs[i], self.records[i].info)
+            if isinstance(out, Continue):
+                self._ctxs[i] = out.ctx
+                again.append(i)
+                payloads.append(out.payload)
+            else:
+                self._results[i] = out
+        self._todo, self._pending = again, None
+        if again:
+            self._round += 1
+            self._pending = self.exchange.start_allreduce(f"hvd_ext.ar.{self.tag}.r{self._round}", payloads, False)
+
+    def progress(self):
+        if self._more and self._round == 1 and self._pending is not None:
+            self._next_round()
 
     def finish(self):
-        ex, comp = self.exchange, self.comp
-        reduced, nf = ex.finish_allreduce(self._pending)
-        # finish_allreduce also tested the reduced buffers for NaN/Inf (one pass per fused buffer)
-        results: List[Optional[torch.Tensor]] = [None] * len(reduced)
-        todo = list(range(len(reduced)))
-        ctxs = [r.ctx for r in self.records]
-        rnd = 1
-        while todo:
-            again, payloads = [], []
-            for j, i in enumerate(todo):
-                out = comp.decompress(reduced[j], ctxs[i], self.records[i].info)
-                if isinstance(out, Continue):
-                    ctxs[i] = out.ctx
-                    again.append(i)
-                    payloads.append(out.payload)
-                else:
-                    results[i] = out
-            if not again:
-                break
-            rnd += 1
-            pend = ex.start_allreduce(f"hvd_ext.ar.{self.tag}.r{rnd}", payloads, False)
-            reduced, _ = ex.finish_allreduce(pend)
-            todo = again
-        for rec, ctx in zip(self.records, ctxs):  # the final ctx, for local_contribution
+        self.progress()
+        while self._pending is not None:
+            self._next_round()
+        for rec, ctx in zip(self.records, self._ctxs):  # the final ctx, for local_contribution
             rec.ctx = ctx
-        return results, [None] * len(results), nf
+        return self._results, [None] * len(self._results), self._nf

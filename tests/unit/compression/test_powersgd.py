@@ -1,7 +1,7 @@
 """The powersgd codec (hvd_ext.compression.powersgd), its allreduce rounds simulated in one process."""
 import torch
 
-from hvd_ext.compression.base import Continue
+from hvd_ext.compression.base import Continue, TensorInfo
 from hvd_ext.spec import compression_from_spec as C
 
 from helpers.quant import info
@@ -84,3 +84,15 @@ def test_powersgd_sends_vectors_and_tiny_dense():
     late = C("powersgd:rank=1,warmup=3")
     assert late.compress(torch.randn(20, 20), info("t", (20, 20), step=2))[1][0] == "dense"
     assert late.compress(torch.randn(20, 20), info("t", (20, 20), step=3))[1][0] == "P"
+
+
+def test_rounds_follow_what_compress_sends():
+    """``rounds`` is 2 exactly where ``compress`` sends the low-rank P (then Q), 1 where it sends dense:
+    vectors, matrices that low rank would not shrink, and every tensor during the warm-up."""
+    comp = C("powersgd:warmup=3,rank=2")
+    for shape in [(64, 48), (7,), (3, 2), (16, 8, 3, 3)]:
+        for step in (0, 2, 3, 10):
+            info = TensorInfo(name="t", shape=torch.Size(shape), step=step, rank=0, size=2)
+            _, ctx = comp.compress(torch.randn(shape), info)
+            assert comp.rounds(info) == (2 if ctx[0] == "P" else 1), (shape, step)
+    assert C("none").rounds(TensorInfo(name="t", shape=torch.Size([5, 5]), step=9)) == 1

@@ -28,3 +28,51 @@ def test_cast_codec_with_feedback_keeps_the_average(spec, bound):
     runs = run_pipeline(spec, grads, 2)
     for step in range(3):
         assert relerr(runs[0].results[step], mean_of(grads, step, 2)) < bound, step
+
+
+def test_second_rounds_of_every_bucket_start_before_any_is_waited_for():
+    """PowerSGD's second round (Q) is queued in ``progress()`` for every bucket before the pipeline
+    waits for any, as DDP chains its rounds per bucket, not one bucket's round trip after another;
+    the result is the same low-rank average as a run that finishes bucket after bucket."""
+    shapes = {"w1": (64, 48), "w2": (48, 32), "w3": (32, 40)}
+    grads = make_grads(2, 2, seed=3, shapes=shapes)
+    logs = {}
+
+    def log_collectives(rank, step, pipe):
+        ex = pipe.exchange
+        if rank in logs:
+            return
+        logs[rank] = events = []
+        start, finish = ex.start_allreduce, ex.finish_allreduce
+
+        def logged_start(name, payloads, nonfinite, **kw):
+            pending = start(name, payloads, nonfinite, **kw)
+            events.append(("start", name))
+            names[id(pending)] = name
+            return pending
+
+        def logged_finish(pending):
+            events.append(("wait", names[id(pending)]))
+            return finish(pending)
+
+        names = {}
+        ex.start_allreduce, ex.finish_allreduce = logged_start, logged_finish
+
+    small = 48 * 32 * 4  # every tensor a bucket of its own
+    runs = run_pipeline("powersgd:warmup=0,rank=2", grads, 2, bucket_bytes=small, before_step=log_collectives)
+    events = logs[0]
+    second = [name for kind, name in events if kind == "start" and name.endswith(".r2")]
+    assert len(second) == 6  # 3 buckets x 2 steps
+    first_wait_r2 = next(i for i, (kind, name) in enumerate(events) if kind == "wait" and name.endswith(".r2"))
+    started_before = [name for kind, name in events[:first_wait_r2] if kind == "start" and name.endswith(".r2")]
+    assert len(started_before) == 3, events[:first_wait_r2]
+
+    def finish_bucket_by_bucket(rank, step, pipe):  # the old order: no round started in progress()
+        for b in pipe.buckets:
+            b.route.progress = lambda: None
+
+    serial = run_pipeline("powersgd:warmup=0,rank=2", grads, 2, bucket_bytes=small, before_step=finish_bucket_by_bucket)
+    for a, b in zip(runs, serial):
+        for step in range(2):
+            for k in shapes:
+                assert torch.allclose(a.results[step][k], b.results[step][k], atol=1e-6)
