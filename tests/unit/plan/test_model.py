@@ -197,3 +197,18 @@ def test_step_overlaps_exchange_with_backward():
     c1 = BucketCost(numel=50, wire=0, nic=0, latency=0, code=0.1, link_s=0.0)
     assert step_seconds([c1, c1], 0.3, True) == pytest.approx(0.5)
     assert step_seconds([c1, c1], 0.3, False) == pytest.approx(0.4)
+
+
+def test_a_second_round_is_a_collective_after_backward():
+    """PowerSGD's buckets of matrices take two allreduce rounds: the first at its in-step cost, the second
+    at the ranks-together cost, queued once backward is over; a bucket of vectors (sent dense) one."""
+    busy, idle = {"allreduce": 10e-3}, {"allreduce": 2e-3}
+    c = Cluster(1, 2, LinkModel(), LinkModel(), codec={"powersgd": float("inf")}, collective_lat=busy, idle_lat=idle)
+    spec = "powersgd:warmup=0"
+    matrices, vectors = codec_costs(spec, compression_from_spec(spec), "allreduce", [[(64, 40)], [(64,)]], c)
+    assert (matrices.latency, matrices.tail_s) == (pytest.approx(12e-3), pytest.approx(2e-3))
+    assert (vectors.latency, vectors.tail_s) == (pytest.approx(10e-3), 0.0)
+    # the first bucket's second round waits for backward's end, after the second bucket's first round
+    first = BucketCost(numel=50, wire=0, nic=0, latency=0, code=0, link_s=0.05, tail_s=0.02)
+    last = BucketCost(numel=50, wire=0, nic=0, latency=0, code=0, link_s=0.05)
+    assert step_seconds([first, last], 0.3, False) == pytest.approx(0.3 + 0.05 + 0.02)
