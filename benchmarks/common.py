@@ -215,19 +215,34 @@ def main_cnn_step(batch: int) -> Callable:
     return step
 
 
-def time_in_turns(runs: Dict, step: Callable, rounds: int, steps: int, sync: Callable[[str], None]) -> Dict:
+def time_in_turns(runs: Dict, step: Callable, rounds: int, steps: int, sync: Callable[[str], None],
+                  count: Optional[Callable[[], int]] = None, counted: Optional[Dict] = None) -> Dict:
     """Seconds per step of each of ``runs`` (key -> what ``step`` takes): ``rounds`` rounds in which every
     run takes ``steps`` steps in turn, so the machine's drift hits them alike; ``sync(name)`` lines the
-    ranks up before each turn."""
+    ranks up before each turn. With ``count`` (e.g. :func:`interface_tx_bytes`), ``counted[key]`` gets
+    each turn's (increase of ``count()``, seconds) as well."""
     times: Dict = {k: [] for k in runs}
     for r in range(rounds):
         for k, run in runs.items():
             sync(f"turns.{r}.{k}")
+            c0 = count() if count is not None else 0
             t0 = time.perf_counter()
             for _ in range(steps):
                 step(run)
-            times[k].append((time.perf_counter() - t0) / steps)
+            dt = time.perf_counter() - t0
+            if count is not None:
+                counted.setdefault(k, []).append((count() - c0, dt))
+            times[k].append(dt / steps)
     return times
+
+
+def interface_tx_bytes(iface: str) -> Optional[int]:
+    """The bytes network interface ``iface`` of this rank's namespace has sent (its kernel counter:
+    payload, TCP/IP headers and acknowledgements), or None where it cannot be read."""
+    try:
+        return int(Path(f"/sys/class/net/{iface}/statistics/tx_bytes").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def run_worker(script: str, logs: str, stem: str, launch: List[str], worker_args: List[str],

@@ -20,7 +20,12 @@ For each (N, rate) one job (``horovodrun --gloo`` in a shaped namespace, ``scrip
    planner predicts: before it, the ranges are even and the entries are not);
 3. ``hvd_ext.plan.plan`` predicts every method from that calibration, on the route the job took;
    reported: predicted / measured step time per method, its median and spread over the methods,
-   and the wire bytes ratio (the wire bytes hvd_ext's exchange counted; Horovod's: the ring's).
+   and the wire bytes ratio (the wire bytes hvd_ext's exchange counted; Horovod's: the ring's);
+4. the bytes on the wire, counted by the kernel: per turn the testbed interface's sent bytes
+   (a one-node world's loopback, divided among its ranks: bytes per rank; across nodes each node's
+   eth0, its NIC: bytes on the busiest link, the nodes' mean), less what it carries with no exchange
+   (Horovod's background loop coordinates every cycle; measured in the ``compute`` turns), against
+   the planner's bytes per rank (per NIC across nodes). They include TCP/IP headers and acks.
 
 Writes benchmarks/results/plan_check.{json,md} (``--out NAME``: NAME.{json,md}).
 
@@ -91,8 +96,19 @@ def worker(args) -> None:
         for _ in range(warm):
             step(run)
         wire0[m] = wire(run)
+    # the testbed's interface counters: a one-node world's ranks all send over its loopback; across
+    # nodes a node's eth0 is its NIC (one rank per node reads it)
+    iface = "eth0" if hvd.cross_size() > 1 else "lo"
+    reads = hvd.local_rank() == 0 and common.interface_tx_bytes(iface) is not None
+    counted: dict = {}
     times = common.time_in_turns(runs, step, args.rounds, args.steps,
-                                 lambda name: hvd.allreduce(torch.zeros(1), name=f"plan_check.{name}"))
+                                 lambda name: hvd.allreduce(torch.zeros(1), name=f"plan_check.{name}"),
+                                 (lambda: common.interface_tx_bytes(iface)) if reads else None, counted)
+    on_wire = wire_bytes_counted(counted, args.steps, 1 if iface == "eth0" else N) if reads else {}
+    names = [m for m in METHODS]  # the readers' mean (across nodes: over the nodes' NICs), on every rank alike
+    total = hvd.allreduce(torch.tensor([on_wire.get(m, 0.0) for m in names] + [float(reads)], dtype=torch.float64),
+                          op=hvd.Sum, name="plan_check.interface").tolist()
+    on_wire = {m: total[i] / total[-1] for i, m in enumerate(names)} if total[-1] else {}
     model = runs["horovod"][0]
     dense = 4.0 * sum(p.numel() for p in model.parameters())
     measured = {}
@@ -116,13 +132,27 @@ def worker(args) -> None:
             if taken:  # the route the job took on its largest bucket (node-aware across nodes)
                 route = taken[-1] if isinstance(taken, list) else route
             pr = p.row(label, route)
+            counted_m = on_wire.get(m)
+            predicted_link = pr.nic if hvd.cross_size() > 1 else pr.wire
             rows.append({"method": m, "route": route, "measured_step_ms": measured[m]["step_s"] * 1e3,
                          "predicted_step_ms": pr.step_s * 1e3, "step_ratio": pr.step_s / measured[m]["step_s"],
                          "measured_bytes": measured[m]["bytes_sent"], "predicted_bytes": pr.wire,
-                         "bytes_ratio": pr.wire / max(measured[m]["bytes_sent"], 1.0)})
+                         "bytes_ratio": pr.wire / max(measured[m]["bytes_sent"], 1.0),
+                         "interface": iface, "interface_bytes": counted_m, "predicted_interface_bytes": predicted_link,
+                         "interface_ratio": predicted_link / counted_m if counted_m else None})
         Path(args.worker_out).write_text(json.dumps({"ranks": N, "calibration": cal, "rows": rows,
                                                      "params": int(dense / 4), "channels": args.channels,
                                                      "compute_in_turns_s": floor_s}, indent=1))
+
+
+def wire_bytes_counted(counted: dict, steps: int, ranks: int) -> dict:
+    """{method: bytes per step per rank on the interface} from :func:`common.time_in_turns`'s counts:
+    each turn's bytes less what the interface carries with no exchange (Horovod's background loop
+    coordinates every cycle: the ``compute`` turns' bytes per second, over the turn's seconds),
+    divided among the ``ranks`` that send through it; the median over the turns."""
+    idle = sum(b for b, _ in counted["compute"]) / max(sum(t for _, t in counted["compute"]), 1e-9)
+    return {m: statistics.median(max(b - idle * t, 0.0) / steps / ranks for b, t in turns)
+            for m, turns in counted.items() if m != "compute"}
 
 
 def main(argv=None):
@@ -222,13 +252,19 @@ def render(doc) -> str:
              "they sleep where a node runs more ranks than cores). The 2 nodes x 2 worlds set "
              f"`HVD_EXT_WAIT={TESTBED_NODES_WAIT}`: their nodes share this machine's cores, which a rank "
              "cannot see.", "",
-             "| ranks | link | method | route | measured ms/step | predicted | pred/meas | bytes pred/meas |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Bytes: `counted` is the exchange's own count (Horovod's: the ring's); `on the wire` the "
+             "interface's kernel counter (per rank on one node, per node NIC across nodes: see the module "
+             "doc), with the planner's bytes for it.", "",
+             "| ranks | link | method | route | measured ms/step | predicted | pred/meas | bytes pred/counted "
+             "| on the wire, KB/step | pred/wire |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for res in doc["results"]:
         for row in res["rows"]:
+            wire, q = row.get("interface_bytes"), row.get("interface_ratio")
             lines.append(f"| {res['ranks']} | {res['rate']} | `{row['method']}` | {row['route']} | "
                          f"{row['measured_step_ms']:.2f} | {row['predicted_step_ms']:.2f} | "
-                         f"{row['step_ratio']:.2f} | {row['bytes_ratio']:.2f} |")
+                         f"{row['step_ratio']:.2f} | {row['bytes_ratio']:.2f} | "
+                         + (f"{wire / 1e3:.1f} | {q:.2f} |" if wire else "- | - |"))
     lines += ["", "Per world, step time predicted / measured over the five methods, whether the "
               "planner ranks the fastest method first, and the step without any exchange: calibrated "
               "(the planner's compute time) and timed in the same turns as the methods:", "",
