@@ -221,6 +221,8 @@ def time_in_turns(runs: Dict, step: Callable, rounds: int, steps: int, sync: Cal
     run takes ``steps`` steps in turn, so the machine's drift hits them alike; ``sync(name)`` lines the
     ranks up before each turn. With ``count`` (e.g. :func:`interface_tx_bytes`), ``counted[key]`` gets
     each turn's (increase of ``count()``, seconds) as well."""
+    if count is not None and counted is None:
+        raise ValueError("time_in_turns: give `counted`, the dict the counts go in, with `count`")
     times: Dict = {k: [] for k in runs}
     for r in range(rounds):
         for k, run in runs.items():

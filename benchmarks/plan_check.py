@@ -96,19 +96,7 @@ def worker(args) -> None:
         for _ in range(warm):
             step(run)
         wire0[m] = wire(run)
-    # the testbed's interface counters: a one-node world's ranks all send over its loopback; across
-    # nodes a node's eth0 is its NIC (one rank per node reads it)
-    iface = "eth0" if hvd.cross_size() > 1 else "lo"
-    reads = hvd.local_rank() == 0 and common.interface_tx_bytes(iface) is not None
-    counted: dict = {}
-    times = common.time_in_turns(runs, step, args.rounds, args.steps,
-                                 lambda name: hvd.allreduce(torch.zeros(1), name=f"plan_check.{name}"),
-                                 (lambda: common.interface_tx_bytes(iface)) if reads else None, counted)
-    on_wire = wire_bytes_counted(counted, args.steps, 1 if iface == "eth0" else N) if reads else {}
-    names = [m for m in METHODS]  # the readers' mean (across nodes: over the nodes' NICs), on every rank alike
-    total = hvd.allreduce(torch.tensor([on_wire.get(m, 0.0) for m in names] + [float(reads)], dtype=torch.float64),
-                          op=hvd.Sum, name="plan_check.interface").tolist()
-    on_wire = {m: total[i] / total[-1] for i, m in enumerate(names)} if total[-1] else {}
+    iface, times, on_wire = timed_and_counted(runs, step, args)
     model = runs["horovod"][0]
     dense = 4.0 * sum(p.numel() for p in model.parameters())
     measured = {}
@@ -125,24 +113,53 @@ def worker(args) -> None:
     p = plan(model, compute_s=cal["compute_s"], cluster=None, nodes=cal["nodes"], gpus_per_node=cal["local"],
              device="cpu", methods=specs, calibration=cal, breakeven_search=False)
     if hvd.rank() == 0:
-        rows = []
-        for m, (label, route) in METHODS.items():
-            taken = getattr(runs[m][1], "stats", None)
-            taken = taken.extra.get("routes") if taken is not None else None
-            if taken:  # the route the job took on its largest bucket (node-aware across nodes)
-                route = taken[-1] if isinstance(taken, list) else route
-            pr = p.row(label, route)
-            counted_m = on_wire.get(m)
-            predicted_link = pr.nic if hvd.cross_size() > 1 else pr.wire
-            rows.append({"method": m, "route": route, "measured_step_ms": measured[m]["step_s"] * 1e3,
-                         "predicted_step_ms": pr.step_s * 1e3, "step_ratio": pr.step_s / measured[m]["step_s"],
-                         "measured_bytes": measured[m]["bytes_sent"], "predicted_bytes": pr.wire,
-                         "bytes_ratio": pr.wire / max(measured[m]["bytes_sent"], 1.0),
-                         "interface": iface, "interface_bytes": counted_m, "predicted_interface_bytes": predicted_link,
-                         "interface_ratio": predicted_link / counted_m if counted_m else None})
+        rows = result_rows(p, runs, measured, iface, on_wire, hvd.cross_size() > 1)
         Path(args.worker_out).write_text(json.dumps({"ranks": N, "calibration": cal, "rows": rows,
                                                      "params": int(dense / 4), "channels": args.channels,
                                                      "compute_in_turns_s": floor_s}, indent=1))
+
+
+def result_rows(p, runs: dict, measured: dict, iface: str, on_wire: dict, across_nodes: bool) -> list:
+    """One row per method: measured and predicted (plan ``p``) step and bytes, on the route the job took
+    on its largest bucket; the interface's bytes against the planner's per rank (across nodes: per NIC)."""
+    rows = []
+    for m, (label, route) in METHODS.items():
+        taken = getattr(runs[m][1], "stats", None)
+        taken = taken.extra.get("routes") if taken is not None else None
+        if taken:
+            route = taken[-1] if isinstance(taken, list) else route
+        pr = p.row(label, route)
+        counted, predicted_link = on_wire.get(m), (pr.nic if across_nodes else pr.wire)
+        rows.append({"method": m, "route": route, "measured_step_ms": measured[m]["step_s"] * 1e3,
+                     "predicted_step_ms": pr.step_s * 1e3, "step_ratio": pr.step_s / measured[m]["step_s"],
+                     "measured_bytes": measured[m]["bytes_sent"], "predicted_bytes": pr.wire,
+                     "bytes_ratio": pr.wire / max(measured[m]["bytes_sent"], 1.0),
+                     "interface": iface, "interface_bytes": counted, "predicted_interface_bytes": predicted_link,
+                     "interface_ratio": predicted_link / counted if counted else None})
+    return rows
+
+
+def timed_and_counted(runs: dict, step, args) -> tuple:
+    """(interface, seconds per step of each run in turns, {method: bytes per step on the interface}):
+    a one-node world's ranks all send over its loopback, read by rank 0; across nodes a node's eth0
+    is its NIC, read by its first rank, the nodes' mean. Every rank returns the same bytes."""
+    import horovod.torch as hvd
+    import torch
+
+    import common
+
+    iface = "eth0" if hvd.cross_size() > 1 else "lo"
+    reads = hvd.local_rank() == 0 and common.interface_tx_bytes(iface) is not None
+    counted: dict = {}
+    times = common.time_in_turns(runs, step, args.rounds, args.steps,
+                                 lambda name: hvd.allreduce(torch.zeros(1), name=f"plan_check.{name}"),
+                                 (lambda: common.interface_tx_bytes(iface)) if reads else None, counted)
+    own = wire_bytes_counted(counted, args.steps, 1 if iface == "eth0" else hvd.size()) if reads else {}
+    names = list(runs)
+    total = hvd.allreduce(torch.tensor([own.get(m, 0.0) for m in names] + [float(reads)], dtype=torch.float64),
+                          op=hvd.Sum, name="plan_check.interface").tolist()
+    return iface, times, ({m: total[i] / total[-1] for i, m in enumerate(names) if m != "compute"}
+                          if total[-1] else {})
 
 
 def wire_bytes_counted(counted: dict, steps: int, ranks: int) -> dict:

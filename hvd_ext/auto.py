@@ -63,6 +63,7 @@ from .compression.common import COMMON_ALIASES, COMMON_OPTIONS
 from .exchange import calibration, cost
 from .exchange.probe import best_time
 from .exchange.routes import TensorRecord, choose_route, flat_record, priced_as_pairs, route_payload
+from .exchange.routes.allreduce import bucket_rounds
 from .ops.device import Timer
 from .options import Option, resolve_options
 from .policy import CONTEND, SETTLE, Policy, median, ranks_mean
@@ -458,11 +459,12 @@ class AutoTuner(Policy):
         return outs, enc, dec, float(nbytes)
 
     # ---- deciding --------------------------------------------------------------------------
-    def predict(self, kind: str, numel: int, payload: float, enc: float, dec: float) -> float:
-
+    def predict(self, kind: str, numel: int, payload: float, enc: float, dec: float, rounds: int = 1) -> float:
+        """A bucket's exchange seconds on route ``kind``; ``rounds``: the allreduce rounds its codec
+        takes (:func:`hvd_ext.exchange.routes.allreduce.bucket_rounds`), each a collective."""
         wire, code = cost.route_wire_and_code(kind, self.pipe.size, payload, enc, dec)
         link_s = wire / self.link["bw"] if wire > 0 else 0.0   # one rank (elastic at size 1): nothing on the wire
-        return _COLLECTIVES.get(kind, 2) * self.link["lat"] + link_s + code
+        return _COLLECTIVES.get(kind, 2) * rounds * self.link["lat"] + link_s + code
 
     def evaluate(self, reason: str) -> None:
         """One decision: measure (link, codecs, compute: the ranks' mean) -> predict every candidate on
@@ -529,7 +531,8 @@ class AutoTuner(Policy):
                 kinds.append(kind)
                 if kind == "sparse_rs" and priced_as_pairs(c):  # its pairs travel, not the codec's payload
                     nbytes = route_payload(c, kind, [p.numel() for p in b.params], pipe.size)  # (as the planner)
-                times.append(self.predict(kind, numel, nbytes, enc, dec))
+                rounds = bucket_rounds(c, [p.shape for p in b.params], pipe.step) if kind == "allreduce" else 1
+                times.append(self.predict(kind, numel, nbytes, enc, dec, rounds))
                 per[self.auto.candidate_specs[ci]] = round(times[-1] * 1e3, 4)
             forecasts.append(Forecast(numel=numel, times=times, routes=kinds))
             table.append(per)

@@ -317,12 +317,13 @@ class GradientPipeline:
         flags and device-side checks are read here, once."""
         return finish_together([self])
 
-    def _unread_flags(self) -> List[torch.Tensor]:
-        """Wait for every bucket and write the averages; the step's non-finite flags, unread (device
-        values), its device-side checks left in ``self._checks``."""
+    def _progress(self) -> None:
+        """Start every bucket, then each bucket's next phase (``Route.progress``: a two-phase route's
+        second collective, PowerSGD's second round), in bucket order, before any bucket is finished;
+        a route waits here only for the phase its next one needs. Repeating it does nothing."""
         with deferred_checks(self._checks):
             if self._flat is not None:
-                return [self._finish_flat()]
+                return
             self.flush()
             if self._worker is not None:
                 try:
@@ -330,8 +331,16 @@ class GradientPipeline:
                 except BaseException:  # a codec's error, raised here as it would have been in backward
                     self.reset()
                     raise
-            for b in self.buckets:  # second phases start before any bucket is waited for
+            for b in self.buckets:
                 b.route.progress()
+
+    def _unread_flags(self) -> List[torch.Tensor]:
+        """Wait for every bucket and write the averages; the step's non-finite flags, unread (device
+        values), its device-side checks left in ``self._checks``."""
+        self._progress()
+        with deferred_checks(self._checks):
+            if self._flat is not None:
+                return [self._finish_flat()]
             return [self._finish_bucket(b) for b in self.buckets]
 
     def _finish_flat(self) -> torch.Tensor:
@@ -474,17 +483,22 @@ class GradientPipeline:
 
 
 def finish_together(pipes: List[GradientPipeline]) -> bool:
-    """Finish the step of ``pipes`` (one, or a DDP model's one per DDP bucket) in order, with ONE read
-    of all their flags and device-side checks (``ops.device.read_step``). Returns True when some rank
-    had a non-finite gradient in any of them: then every pipeline drops its staged state (feedback,
-    codec, policies), on every rank alike, as the whole step is skipped."""
+    """Finish the step of ``pipes`` (one, or a DDP model's one per DDP bucket) in order, every
+    pipeline's next phases started before any is finished (``GradientPipeline._progress``), with ONE
+    read of all their flags and device-side checks (``ops.device.read_step``). Returns True when some
+    rank had a non-finite gradient in any of them: then every pipeline drops its staged state
+    (feedback, codec, policies), on every rank alike, as the whole step is skipped."""
     flags: List[torch.Tensor] = []
-    own = []  # each pipeline's own finishing time
+    own = [0.0] * len(pipes)  # each pipeline's own finishing time
     try:
-        for pipe in pipes:
+        for i, pipe in enumerate(pipes):
+            t0 = time.perf_counter()
+            pipe._progress()
+            own[i] += time.perf_counter() - t0
+        for i, pipe in enumerate(pipes):
             t0 = time.perf_counter()
             flags += pipe._unread_flags()
-            own.append(time.perf_counter() - t0)
+            own[i] += time.perf_counter() - t0
         t0 = time.perf_counter()
         checks = Checks()
         for pipe in pipes:

@@ -253,8 +253,14 @@ class Compressor:
 
     def rounds(self, info: TensorInfo) -> int:
         """How many allreduce rounds exchanging ``info``'s tensor takes on the allreduce route: each
-        after the first is asked for by ``decompress`` returning ``Continue`` (PowerSGD: 2). Default 1."""
+        after the first is asked for by ``decompress`` returning ``Continue`` (PowerSGD: 2). Default 1.
+        A codec that returns ``Continue`` says so here: the route then starts its later rounds early."""
         return 1
+
+    def round_bytes(self, info: TensorInfo) -> Optional[List[int]]:
+        """The payload bytes of each of :meth:`rounds`' rounds for ``info``'s tensor, where there are
+        several and the shape decides them (the planner prices the later ones after backward), else None."""
+        return None
 
     def wire_bytes(self, numel: int) -> Optional[int]:
         """Exact payload bytes for a tensor of ``numel`` elements, if fixed (else None)."""

@@ -96,6 +96,10 @@ class PowerSGDCompressor(Compressor):
     def rounds(self, info):
         return 1 if self.compressed_shape(info) is None else 2  # P, then Q
 
+    def round_bytes(self, info):
+        ms = self.compressed_shape(info)
+        return None if ms is None else [4 * ms[0] * ms[2], 4 * ms[1] * ms[2]]  # float32 P (n x r), Q (m x r)
+
     def wire_bytes(self, numel):
         return None  # depends on the shape: use wire_bytes_for(shape)
 

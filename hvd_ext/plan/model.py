@@ -14,7 +14,8 @@ and runs the codec's route on a 1/L shard across nodes, the NIC carrying the L s
 
 Step time overlaps the exchange with backward as the optimizer's hooks do: forward is a third of
 ``compute_s``, backward releases buckets in order in proportion to their size, the link takes one
-bucket at a time, and the step ends when both compute and the last exchange have. On a GPU the
+bucket at a time, and the step ends when both compute and the last exchange have; a codec's later
+allreduce rounds (PowerSGD's second) start only once backward is over. On a GPU the
 codec runs beside compute (its own stream); on a CPU it runs on the core that computes, so it
 delays the buckets behind it (``codec_on_compute``).
 """
@@ -33,6 +34,7 @@ from ..exchange import cost
 from ..exchange.core import frame_size
 from ..exchange.routes import (codec_node_aware_reason, estimated_bucket_bytes, estimated_payload_bytes,
                                route_payload)
+from ..exchange.routes.allreduce import bucket_rounds
 from ..exchange.routes.base import segments, sends_flat
 from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
 from ..spec import compression_from_spec
@@ -146,10 +148,11 @@ def collective_seconds(kinds: Sequence[str], first: Dict[str, float], then: Dict
 
 
 def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
-              sizes_known: bool = True, rounds: int = 1) -> BucketCost:
+              sizes_known: bool = True, rounds: int = 1, later: float = 0.0) -> BucketCost:
     """A bucket on a flat route; ``rounds``: the allreduce rounds its codec takes
-    (``Compressor.rounds``), each after the first a collective that starts once backward is over
-    (:mod:`hvd_ext.exchange.routes.allreduce`) at the ranks-together cost."""
+    (``Compressor.rounds``), each after the first a collective at the ranks-together cost that starts
+    once backward is over (:mod:`hvd_ext.exchange.routes.allreduce`), carrying ``later`` of the
+    ``payload`` bytes (``Compressor.round_bytes``): both are the bucket's ``tail_s``."""
     N, L = c.size, c.local
     wire, code = cost.route_wire_and_code(kind, N, payload, enc, dec)
     base = "twophase" if kind == "sparse_rs" else kind
@@ -162,7 +165,9 @@ def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: 
     if c.collective_lat:
         lat = collective_seconds(kinds, c.collective_lat, c.idle_lat)
         tail = lat - collective_seconds(kinds[:len(kinds) // rounds], c.collective_lat, c.idle_lat)
-    return BucketCost(numel, wire, nic, lat, code, lat + nic / link.bandwidth, tail)
+    link_s = lat + nic / link.bandwidth
+    tail += nic * later / payload / link.bandwidth if payload > 0 else 0.0
+    return BucketCost(numel, wire, nic, lat, code, link_s, min(tail, link_s))
 
 
 def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: float, c: Cluster) -> BucketCost:
@@ -201,7 +206,8 @@ class Row:
 
 
 def step_seconds(bucket_costs: Sequence[BucketCost], compute_s: float, codec_on_compute: bool) -> float:
-    """The overlapped step (module doc): buckets leave backward in order, the link takes one at a time."""
+    """The overlapped step (module doc): buckets leave backward in order, the link takes one at a time;
+    a bucket's ``tail_s`` (its later rounds) waits for backward's end, queued behind every first round."""
     forward, backward = compute_s / 3.0, 2.0 * compute_s / 3.0
     total = sum(b.numel for b in bucket_costs) or 1
     t, free = forward, 0.0
@@ -413,11 +419,13 @@ def codec_calls(comp: Compressor, shapes: Sequence[tuple], route: str, parts: in
                                                                          route[5:], parts)]
 
 
-def allreduce_rounds(comp: Compressor, shapes: Sequence[tuple]) -> int:
-    """The allreduce rounds a bucket of ``shapes`` takes in the steady state (``Compressor.rounds``):
-    the bucket's most."""
-    return max((comp.rounds(TensorInfo(name=f"t{i}", shape=torch.Size(s), step=STEADY_STEP))
-                for i, s in enumerate(shapes)), default=1)
+def later_round_bytes(comp: Compressor, shapes: Sequence[tuple]) -> float:
+    """The payload bytes a bucket of ``shapes`` sends in its rounds after the first (``Compressor.round_bytes``)."""
+    later = 0.0
+    for i, s in enumerate(shapes):
+        per_round = comp.round_bytes(TensorInfo(name=f"t{i}", shape=torch.Size(s), step=STEADY_STEP))
+        later += sum(per_round[1:]) if per_round else 0.0
+    return later
 
 
 def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Sequence[tuple]],
@@ -432,8 +440,10 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
         if route.startswith("node:"):
             costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c))
         else:
+            rounds, later = (bucket_rounds(comp, shapes, STEADY_STEP), later_round_bytes(comp, shapes)) \
+                if route == "allreduce" else (1, 0.0)
             costs.append(flat_cost(route, n, payload, enc, dec, c, sizes_known(comp, shapes, route, parts),
-                                   allreduce_rounds(comp, shapes) if route == "allreduce" else 1))
+                                   rounds, later))
     return costs
 
 

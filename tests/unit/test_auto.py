@@ -141,7 +141,7 @@ def test_most_accurate_candidate_within_slack(monkeypatch):
     def time_codec(self, c, b, grads):
         return {"enc": 0.0, "dec": 0.0, "bytes": float(list(fake).index(c.name))}
 
-    def predict(self, kind, numel, payload, enc, dec):
+    def predict(self, kind, numel, payload, enc, dec, rounds=1):
         return fake[list(fake)[int(payload)]]
 
     monkeypatch.setattr(AutoTuner, "_time_codec", time_codec)
@@ -178,7 +178,7 @@ def _fake_costs(monkeypatch, model, real):
     def time_codec(self, c, b, grads):
         return {"enc": 0.0, "dec": 0.0, "bytes": float(list(model).index(c.name))}
 
-    def predict(self, kind, numel, payload, enc, dec):
+    def predict(self, kind, numel, payload, enc, dec, rounds=1):
         return model[list(model)[int(payload)]]
 
     def exchange_time(self, seconds):

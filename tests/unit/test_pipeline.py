@@ -93,3 +93,29 @@ def test_takes_flat_only_when_the_step_codes_element_by_element_without_memory()
     assert torch.equal(buf, torch.tensor([1.0] * 6 + [0.0] * 4))  # the 1/4 share of p0's debt, before the sum
     auto.finish()
     assert auto.auto.debt_left["p0"] == 3
+
+
+def test_finish_together_starts_every_pipelines_next_phases_before_finishing_any():
+    """A DDP model's pipelines (one per DDP bucket): every pipeline's next phases (two-phase second
+    collectives, PowerSGD's second rounds) start before the first pipeline is finished."""
+    from hvd_ext.pipeline import finish_together
+
+    calls = []
+
+    class Pipe:
+        def __init__(self, name):
+            self.name = name
+            self._checks = type("C", (), {"take": lambda self: []})()
+
+        def _progress(self):
+            calls.append(("progress", self.name))
+
+        def _unread_flags(self):
+            calls.append(("finish", self.name))
+            return [torch.tensor(False)]
+
+        def _end_step(self, nonfinite, seconds):
+            calls.append(("end", self.name))
+
+    assert finish_together([Pipe("a"), Pipe("b")]) is False
+    assert calls[:3] == [("progress", "a"), ("progress", "b"), ("finish", "a")]

@@ -8,12 +8,19 @@ bucket with futures), not after the buckets before it have finished. A one-round
 for in ``finish()`` only, so it never holds up a later bucket's ``progress()``."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
-from ...compression.base import Continue
+from ...compression.base import Compressor, Continue, TensorInfo
 from .base import Route, register
+
+
+def bucket_rounds(comp: Compressor, shapes: Sequence[Sequence[int]], step: int) -> int:
+    """The allreduce rounds a bucket of tensors of ``shapes`` takes at ``step`` on this route: its
+    tensors' most (``Compressor.rounds``), as ``compression="auto"`` and the planner price it."""
+    return max((comp.rounds(TensorInfo(name=f"t{i}", shape=torch.Size(s), step=step)) for i, s in enumerate(shapes)),
+               default=1)
 
 
 @register
@@ -22,6 +29,10 @@ class AllreduceRoute(Route):
     The non-finite test reads the reduced buffer: a NaN/Inf on any rank makes the sum non-finite."""
 
     name = "allreduce"
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._pending, self._more, self._round = None, False, 1
 
     def start(self, records, nonfinite):
         self.compress_records(records)

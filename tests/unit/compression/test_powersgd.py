@@ -92,7 +92,12 @@ def test_rounds_follow_what_compress_sends():
     comp = C("powersgd:warmup=3,rank=2")
     for shape in [(64, 48), (7,), (3, 2), (16, 8, 3, 3)]:
         for step in (0, 2, 3, 10):
-            info = TensorInfo(name="t", shape=torch.Size(shape), step=step, rank=0, size=2)
-            _, ctx = comp.compress(torch.randn(shape), info)
-            assert comp.rounds(info) == (2 if ctx[0] == "P" else 1), (shape, step)
+            t_info = TensorInfo(name="t", shape=torch.Size(shape), step=step, rank=0, size=2)
+            payload, ctx = comp.compress(torch.randn(shape), t_info)
+            assert comp.rounds(t_info) == (2 if ctx[0] == "P" else 1), (shape, step)
+            if ctx[0] == "P":  # each round's bytes: P now, Q after it is reduced
+                second = comp.decompress(payload, ctx, t_info)
+                assert comp.round_bytes(t_info) == [4 * payload.numel(), 4 * second.payload.numel()]
+            else:
+                assert comp.round_bytes(t_info) is None
     assert C("none").rounds(TensorInfo(name="t", shape=torch.Size([5, 5]), step=9)) == 1

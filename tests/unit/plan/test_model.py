@@ -203,7 +203,8 @@ def test_a_second_round_is_a_collective_after_backward():
     """PowerSGD's buckets of matrices take two allreduce rounds: the first at its in-step cost, the second
     at the ranks-together cost, queued once backward is over; a bucket of vectors (sent dense) one."""
     busy, idle = {"allreduce": 10e-3}, {"allreduce": 2e-3}
-    c = Cluster(1, 2, LinkModel(), LinkModel(), codec={"powersgd": float("inf")}, collective_lat=busy, idle_lat=idle)
+    fast = LinkModel(bandwidth=float("inf"))  # only the collectives' fixed costs
+    c = Cluster(1, 2, fast, fast, codec={"powersgd": float("inf")}, collective_lat=busy, idle_lat=idle)
     spec = "powersgd:warmup=0"
     matrices, vectors = codec_costs(spec, compression_from_spec(spec), "allreduce", [[(64, 40)], [(64,)]], c)
     assert (matrices.latency, matrices.tail_s) == (pytest.approx(12e-3), pytest.approx(2e-3))
@@ -212,3 +213,16 @@ def test_a_second_round_is_a_collective_after_backward():
     first = BucketCost(numel=50, wire=0, nic=0, latency=0, code=0, link_s=0.05, tail_s=0.02)
     last = BucketCost(numel=50, wire=0, nic=0, latency=0, code=0, link_s=0.05)
     assert step_seconds([first, last], 0.3, False) == pytest.approx(0.3 + 0.05 + 0.02)
+
+
+def test_a_second_round_without_a_calibration_pays_its_messages_and_its_bytes_after_backward():
+    """From a link model alone: two rounds' messages, the second's and Q's share of the bytes in the tail."""
+    link = LinkModel(alpha=1e-3, bandwidth=1e6)
+    c = Cluster(1, 2, link, link, codec={"powersgd": float("inf")})
+    spec = "powersgd:warmup=0,rank=2"
+    comp = compression_from_spec(spec)
+    one = codec_costs(spec, comp, "allreduce", [[(64, 40)]], c)[0]
+    n, m, r = 64, 40, 2  # P is n x r, Q m x r (float32); an allreduce of 2 ranks sends its payload once
+    assert one.nic == pytest.approx(4 * (n + m) * r)
+    assert one.latency == pytest.approx(2 * 2 * 1e-3)  # 2 messages per allreduce (2 ranks), two rounds
+    assert one.tail_s == pytest.approx(2 * 1e-3 + 4 * m * r / 1e6)

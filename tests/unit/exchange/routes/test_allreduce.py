@@ -76,3 +76,23 @@ def test_second_rounds_of_every_bucket_start_before_any_is_waited_for():
         for step in range(2):
             for k in shapes:
                 assert torch.allclose(a.results[step][k], b.results[step][k], atol=1e-6)
+
+
+def test_a_one_round_bucket_is_not_waited_for_in_progress():
+    """Only a bucket whose codec asks for another round waits in ``progress()``: a dense bucket leaves
+    its wait to ``finish()``, so it never holds up a later bucket's next phase."""
+    grads = make_grads(2, 1, seed=4, shapes={"w1": (64, 48), "w2": (48, 32)})
+    waited = []
+
+    def log_waits(rank, step, pipe):
+        if rank == 0:
+            for b in pipe.buckets:
+                finish = pipe.exchange.finish_allreduce
+                b.route.progress = (lambda route=b.route, f=finish: (
+                    setattr(pipe.exchange, "finish_allreduce", lambda p: waited.append(route.tag) or f(p)),
+                    type(route).progress(route), setattr(pipe.exchange, "finish_allreduce", f)))
+
+    run_pipeline("fp16", grads, 2, bucket_bytes=48 * 32 * 4, before_step=log_waits)
+    assert waited == []
+    run_pipeline("powersgd:warmup=0,rank=2", grads, 2, bucket_bytes=48 * 32 * 4, before_step=log_waits)
+    assert len(waited) == 2  # each bucket's first round, waited for to start its second
