@@ -461,7 +461,8 @@ class AutoTuner(Policy):
     # ---- deciding --------------------------------------------------------------------------
     def predict(self, kind: str, numel: int, payload: float, enc: float, dec: float, rounds: int = 1) -> float:
         """A bucket's exchange seconds on route ``kind``; ``rounds``: the allreduce rounds its codec
-        takes (:func:`hvd_ext.exchange.routes.allreduce.bucket_rounds`), each a collective."""
+        takes at the pipeline's step (:func:`hvd_ext.exchange.routes.allreduce.bucket_rounds`: one in
+        a codec's warm-up, where the planner prices the steady state), each a collective."""
         wire, code = cost.route_wire_and_code(kind, self.pipe.size, payload, enc, dec)
         link_s = wire / self.link["bw"] if wire > 0 else 0.0   # one rank (elastic at size 1): nothing on the wire
         return _COLLECTIVES.get(kind, 2) * rounds * self.link["lat"] + link_s + code

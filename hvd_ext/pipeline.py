@@ -506,9 +506,10 @@ def finish_together(pipes: List[GradientPipeline]) -> bool:
                 checks.add(*item)
         nonfinite = read_step(flags, checks)  # the step's one read
         read_s = time.perf_counter() - t0
-    except BaseException:
+    except BaseException:  # every pipeline forgets the step: none finishes the next with this one's buckets
         for pipe in pipes:
             pipe._drop_step()
+            pipe.reset()
         raise
     for pipe, s in zip(pipes, own):
         pipe._end_step(nonfinite, s + read_s)

@@ -485,3 +485,23 @@ def test_calibration_file_gives_auto_its_link(tmp_path, monkeypatch):
         d = r.pipeline.auto.decisions[0]
         assert d["link"]["MB_per_s"] == pytest.approx(0.1, rel=0.05)
         assert set(r.pipeline.auto.report()["choice"]) != {"none"}
+
+
+def test_a_codecs_allreduce_rounds_are_priced(monkeypatch):
+    """auto prices each allreduce round as a collective, as the planner does: PowerSGD's bucket with a
+    matrix takes two rounds (P, then Q), a dense candidate one; one round's latency each."""
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link())
+    seen = {}
+    predict = AutoTuner.predict
+
+    def recording(self, kind, numel, payload, enc, dec, rounds=1):
+        seen.setdefault(kind, set()).add(rounds)
+        return predict(self, kind, numel, payload, enc, dec, rounds)
+
+    monkeypatch.setattr(AutoTuner, "predict", recording)
+    run_pipeline("auto:warmup=2,accuracy=relaxed,trial=0,candidates=none,powersgd:warmup=0", _grads(3, 2), 2)
+    assert seen == {"allreduce": {1, 2}}
+    tuner = type("T", (), {"pipe": type("P", (), {"size": 2})(), "link": {"lat": 1e-3, "bw": 1e6}})()
+    one, two = (AutoTuner.predict(tuner, "allreduce", 100, 400.0, 0.0, 0.0, r) for r in (1, 2))
+    assert two - one == pytest.approx(1e-3)
+    assert one == pytest.approx(1e-3 + cost.allreduce_wire(400.0, 2) / 1e6)

@@ -1,9 +1,11 @@
 """hvd_ext.pipeline: bucket planning, and the dense warm-up before the codec (simulated ranks)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hvd_ext.pipeline import plan_buckets
+from hvd_ext.spec import compression_from_spec
 from hvd_ext.testing.harness import run_pipeline
 
 from helpers.simgrads import make_grads, mean_of
@@ -95,27 +97,70 @@ def test_takes_flat_only_when_the_step_codes_element_by_element_without_memory()
     assert auto.auto.debt_left["p0"] == 3
 
 
-def test_finish_together_starts_every_pipelines_next_phases_before_finishing_any():
-    """A DDP model's pipelines (one per DDP bucket): every pipeline's next phases (two-phase second
-    collectives, PowerSGD's second rounds) start before the first pipeline is finished."""
+
+def _two_powersgd_pipelines(rank, transport, raise_in_second=False):
+    """A DDP model's two pipelines (one per DDP bucket) on one exchange, PowerSGD on a matrix each;
+    the exchange's allreduces logged as ("start"|"wait", name)."""
+    from hvd_ext.exchange.core import Exchange
+    from hvd_ext.pipeline import GradientPipeline
+
+    ex = Exchange(op="average", transport=transport)
+    events, names = [], {}
+    start, finish = ex.start_allreduce, ex.finish_allreduce
+
+    def logged_start(name, payloads, nonfinite, **kw):
+        pending = start(name, payloads, nonfinite, **kw)
+        names[id(pending)] = name
+        events.append(("start", name))
+        return pending
+
+    def logged_finish(pending):
+        events.append(("wait", names[id(pending)]))
+        return finish(pending)
+
+    ex.start_allreduce, ex.finish_allreduce = logged_start, logged_finish
+    pipes = []
+    for k in range(2):
+        comp = compression_from_spec("powersgd:warmup=0,rank=2")
+        p = torch.nn.Parameter(torch.zeros(32, 24))
+        pipe = GradientPipeline([(f"w{k}", p)], comp, comp.feedback, ex, 1 << 20)
+        p.grad = torch.randn(32, 24, generator=torch.Generator().manual_seed(10 * rank + k))
+        pipe.flush()
+        pipes.append(pipe)
+    if raise_in_second:
+        def broken():
+            raise RuntimeError("a route's progress failed")
+        pipes[1].buckets[0].route.progress = broken
+    return pipes, events
+
+
+def test_finish_together_starts_every_pipelines_second_rounds_before_waiting_for_one():
     from hvd_ext.pipeline import finish_together
+    from hvd_ext.testing.simulated import SimulatedWorld
 
-    calls = []
+    def body(rank, transport):
+        pipes, events = _two_powersgd_pipelines(rank, transport)
+        finish_together(pipes)
+        return events
 
-    class Pipe:
-        def __init__(self, name):
-            self.name = name
-            self._checks = type("C", (), {"take": lambda self: []})()
+    for events in SimulatedWorld(2, timeout=60).run(body):
+        seconds = [name for kind, name in events if kind == "start" and name.endswith(".r2")]
+        assert len(seconds) == 2  # one per pipeline, each once
+        first_wait = next(i for i, (kind, name) in enumerate(events) if kind == "wait" and name.endswith(".r2"))
+        assert sum(1 for kind, name in events[:first_wait] if kind == "start" and name.endswith(".r2")) == 2
 
-        def _progress(self):
-            calls.append(("progress", self.name))
 
-        def _unread_flags(self):
-            calls.append(("finish", self.name))
-            return [torch.tensor(False)]
+def test_finish_together_forgets_the_step_in_every_pipeline_when_one_fails():
+    """A pipeline whose next phase raises: every pipeline forgets the step, so none finishes the next
+    step with this one's buckets."""
+    from hvd_ext.pipeline import finish_together
+    from hvd_ext.testing.simulated import SimulatedWorld
 
-        def _end_step(self, nonfinite, seconds):
-            calls.append(("end", self.name))
+    def body(rank, transport):
+        pipes, _ = _two_powersgd_pipelines(rank, transport, raise_in_second=True)
+        with pytest.raises(RuntimeError, match="progress failed"):
+            finish_together(pipes)
+        return [[b.started for b in pipe.buckets] for pipe in pipes]
 
-    assert finish_together([Pipe("a"), Pipe("b")]) is False
-    assert calls[:3] == [("progress", "a"), ("progress", "b"), ("finish", "a")]
+    for started in SimulatedWorld(2, timeout=60).run(body):
+        assert started == [[False], [False]]
