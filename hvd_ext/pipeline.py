@@ -335,9 +335,9 @@ class GradientPipeline:
                 b.route.progress()
 
     def _unread_flags(self) -> List[torch.Tensor]:
-        """Wait for every bucket and write the averages; the step's non-finite flags, unread (device
-        values), its device-side checks left in ``self._checks``."""
-        self._progress()
+        """Wait for every bucket and write the averages (after :meth:`_progress`, which
+        :func:`finish_together` runs on every pipeline first); the step's non-finite flags, unread
+        (device values), its device-side checks left in ``self._checks``."""
         with deferred_checks(self._checks):
             if self._flat is not None:
                 return [self._finish_flat()]
