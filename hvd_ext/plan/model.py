@@ -1,7 +1,7 @@
 """The planner's step-time model: every method's predicted exchange and step time on one cluster.
 
 Per bucket (:func:`hvd_ext.pipeline.plan_buckets`, the layout the optimizer uses; Horovod's own
-rows fuse into its 64 MiB buffer) and method, the exchange costs
+rows fuse what backward has released each cycle, :func:`fused_groups`) and method, the exchange costs
 
     messages x alpha + bytes on the busiest link / bandwidth + codec seconds
 
@@ -39,7 +39,9 @@ from ..exchange.routes.base import segments, sends_flat
 from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
 from ..spec import compression_from_spec
 
-HOROVOD_FUSION_BYTES = 64 * 1024 * 1024  # HOROVOD_FUSION_THRESHOLD's default
+# Horovod's defaults since 0.21 (its changelog; `horovodrun --help` of 0.28.1 says the same)
+HOROVOD_FUSION_BYTES = 128 * 1024 * 1024  # HOROVOD_FUSION_THRESHOLD
+HOROVOD_CYCLE_S = 1e-3                     # HOROVOD_CYCLE_TIME
 # the collectives each route runs per bucket: a gather of payloads whose sizes the receivers cannot know
 # travels by an alltoall (:meth:`hvd_ext.exchange.core.Exchange.start_allgather`), as the sparse
 # reduce-scatter's second phase always does
@@ -243,20 +245,55 @@ def horovod_view(c: Cluster, fp16: bool = False) -> Cluster:
         inter=dataclasses.replace(c.inter, bandwidth=c.inter.bandwidth / slow), collective_lat=lat)
 
 
+def fused_groups(numels: Sequence[int], width: float, compute_s: float, codec_s, cost_of,
+                 codec_on_compute: bool) -> List[BucketCost]:
+    """Horovod's tensor fusion (its docs/tensor-fusion.rst): tensors leave backward one by one
+    (reverse registration order, ``numels``, in proportion to their size; on a CPU each one's
+    ``codec_s(numel)`` seconds on the compute core after it); every cycle its background thread takes
+    the tensors released so far, up to the fusion threshold, into one allreduce, and takes the next
+    group once that one is done. Idle, it takes a tensor half a cycle after its release on average,
+    with what backward releases meanwhile. Each group is priced by ``cost_of(group numels)`` and
+    starts as :func:`step_seconds` starts it (the cycle's wait is inside a measured latency)."""
+    forward, backward = compute_s / 3.0, 2.0 * compute_s / 3.0
+    total = sum(numels) or 1
+    release, t = [], forward
+    for n in numels:
+        t += backward * n / total + (codec_s(n) if codec_on_compute else 0.0)
+        release.append(t)
+    limit = HOROVOD_FUSION_BYTES / width
+    groups: List[BucketCost] = []
+    i, free = 0, 0.0
+    while i < len(numels):
+        taken = max(free, release[i] + HOROVOD_CYCLE_S / 2)  # when the thread takes this group
+        j, size = i + 1, numels[i]
+        while j < len(numels) and release[j] <= taken and size + numels[j] <= limit:
+            size += numels[j]
+            j += 1
+        b = cost_of(numels[i:j])
+        free = max(free, release[j - 1]) + b.link_s + (0.0 if codec_on_compute else b.code)
+        groups.append(b)
+        i = j
+    return groups
+
+
 def horovod_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster) -> List[Row]:
-    """Horovod's fp32 and fp16 allreduce, and its hierarchical allreduce across nodes."""
-    buckets = [numel_of(b) for b in buckets_of(shapes, HOROVOD_FUSION_BYTES, None)]
+    """Horovod's fp32 and fp16 allreduce, and its hierarchical allreduce across nodes, each fused as
+    Horovod fuses (:func:`fused_groups`)."""
+    numels = [math.prod(s) for s in reversed(shapes)]
     rows = []
     for label, width, spec in (("horovod", 4.0, None), ("horovod fp16", 2.0, "fp16")):
         hc = horovod_view(c, fp16=spec is not None)
-        costs = []
-        for n in buckets:
-            enc = codec_seconds(spec, n, hc) if spec else 0.0
-            costs.append(flat_cost("allreduce", n, width * n, enc, enc, hc))
+        code = (lambda n, hc=hc, spec=spec: 2 * codec_seconds(spec, n, hc)) if spec else (lambda n: 0.0)
+
+        def flat(group, hc=hc, width=width, code=code):
+            enc = sum(code(n) for n in group) / 2
+            return flat_cost("allreduce", sum(group), width * sum(group), enc, enc, hc)
+        costs = fused_groups(numels, width, compute_s, code, flat, hc.codec_on_compute)
         rows.append(make_row(label, None, "allreduce", costs, compute_s, hc))
     c = dataclasses.replace(horovod_view(c), intra_lat={})  # its own groups, not hvd_ext's (not measured)
     if c.nodes > 1 and c.local > 1:
-        costs = [node_aware_cost("allreduce", n, 4.0 * n, 0.0, 0.0, c) for n in buckets]
+        costs = fused_groups(numels, 4.0, compute_s, lambda n: 0.0,
+                             lambda g: node_aware_cost("allreduce", sum(g), 4.0 * sum(g), 0.0, 0.0, c), False)
         rows.append(make_row("horovod hierarchical", None, "node:allreduce", costs, compute_s, c,
                              "HOROVOD_HIERARCHICAL_ALLREDUCE=1"))
     return rows

@@ -7,7 +7,7 @@ import torch
 
 from hvd_ext.exchange.cost import LinkModel
 from hvd_ext.plan import plan
-from hvd_ext.plan.model import BucketCost, Cluster, codec_costs, step_seconds
+from hvd_ext.plan.model import HOROVOD_FUSION_BYTES, BucketCost, Cluster, codec_costs, horovod_rows, step_seconds
 from hvd_ext.spec import compression_from_spec
 from hvd_ext.testing.harness import run_pipeline
 
@@ -226,3 +226,34 @@ def test_a_second_round_without_a_calibration_pays_its_messages_and_its_bytes_af
     assert one.nic == pytest.approx(4 * (n + m) * r)
     assert one.latency == pytest.approx(2 * 2 * 1e-3)  # 2 messages per allreduce (2 ranks), two rounds
     assert one.tail_s == pytest.approx(2 * 1e-3 + 4 * m * r / 1e6)
+
+
+def horovod_groups(shapes, compute_s, bandwidth, label="horovod"):
+    """The element counts of the fused allreduces of Horovod's row ``label`` on 2 ranks, and its step."""
+    link = LinkModel(alpha=0.0, bandwidth=bandwidth)
+    c = Cluster(1, 2, link, link, codec={"fp16": float("inf")})
+    row = next(r for r in horovod_rows(shapes, compute_s, c) if r.label == label)
+    return [b.numel for b in row.buckets], row.step_s
+
+
+def test_horovod_fuses_what_backward_released_while_its_link_was_busy():
+    """Horovod's thread takes every tensor released so far each time its link frees: a slow first
+    allreduce lets the tensors behind it pile up into one; on a fast link each tensor goes alone."""
+    shapes = [(1000, 1000)] * 10  # backward (0.2 s) releases one every 20 ms, the first at 0.12 s
+    groups, step = horovod_groups(shapes, 0.3, 4e9)  # 4 MB of ring traffic each: 1 ms, idle in between
+    assert groups == [10 ** 6] * 10
+    assert step == pytest.approx(0.3 + 1e-3)
+    groups, step = horovod_groups(shapes, 0.3, 4e7 / 1.05)  # 105 ms per tensor
+    # the first ends at 0.225 s, when five more are out (0.14 ... 0.22 s); those end at 0.75 s, with the rest out
+    assert groups == [10 ** 6, 5 * 10 ** 6, 4 * 10 ** 6]
+    assert step == pytest.approx(0.12 + 0.105 * 10)
+
+
+def test_horovod_fuses_what_one_cycle_releases_up_to_its_fusion_threshold():
+    """Tensors released within a cycle of each other go in one allreduce, as long as it holds at most
+    HOROVOD_FUSION_BYTES; float16 tensors take half the bytes, so twice as many fit."""
+    assert len(horovod_groups([(1000, 1000)] * 10, 3e-4, 4e9)[0]) == 1  # backward: 0.2 ms
+    big = [(20 * 2 ** 20,)] * 3  # 80 MiB each in float32, all released at once
+    assert HOROVOD_FUSION_BYTES == 128 * 2 ** 20
+    assert horovod_groups(big, 0.0, 1e9)[0] == [20 * 2 ** 20] * 3
+    assert horovod_groups(big, 0.0, 1e9, "horovod fp16")[0] == [60 * 2 ** 20]
