@@ -220,7 +220,8 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
     base = hv or flat  # Horovod's float32 allreduce, against which its float16 one is measured
     h16 = links.get("horovod_fp16") if same_world and "bandwidth" in flat else None
     compiled = dict((calibration or {}).get("codec_compiled", {}))
-    return Cluster(nodes, local, intra, inter, codec, codec_on_compute=device == "cpu", codec_fixed=fixed,
+    return Cluster(nodes, local, intra, inter, codec, codec_on_compute=device == "cpu", allreduce_tree=device != "cpu",
+                   codec_fixed=fixed,
                    codec_compiled=compiled, compile_min=(calibration or {}).get("compile_min") if compiled else None,
                    collective_lat=lat, idle_lat=dict(flat.get("lat_by_kind") or {}) if same_world else {},
                    horovod_lat=hv_lat,
@@ -270,6 +271,9 @@ def plan(model, compute_s: Optional[float] = None, cluster: Union[str, presets.C
     name of a published model (:data:`presets.MODELS`, which also gives the compute time). ``optimizer``
     (``sgd``, ``adam`` or ``none``): the job's, which decides some codecs' routes (:func:`model.bind_like`)."""
     check_optimizer(optimizer)   # before any work
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
+        raise ValueError(f"plan: bad bucket_bytes {bucket_bytes!r}; accepted: an int >= 1 (the optimizer's "
+                         f"bucket size in bytes, {DEFAULT_BUCKET_BYTES} by default)")
     if isinstance(model, str):
         if model not in presets.MODELS:
             raise ValueError(f"plan: unknown model {model!r}; accepted: {', '.join(presets.MODELS)}, a "

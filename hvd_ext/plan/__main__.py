@@ -20,6 +20,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..optimizer import DEFAULT_BUCKET_BYTES
 from . import DEFAULT_METHODS, plan, presets
 from .report import plot_bandwidth_sweep
 
@@ -38,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--inter-gbps", type=float, default=None, help="inter-node bandwidth, Gbit/s")
     p.add_argument("--intra-gbps", type=float, default=None, help="intra-node bandwidth, Gbit/s")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help="hvd_ext specs to predict")
+    p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2 ** 20,
+                   help="the optimizer's bucket_bytes, MiB (a larger bucket pays each collective's latency less often)")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "none"],
                    help="the job's optimizer (sgd: with momentum): some codecs' routes depend on it")
     p.add_argument("--calibration", default=None, help="a file --measure wrote: its links and codec speeds")
@@ -160,7 +163,7 @@ def main(argv=None) -> int:
     try:   # a bad input says what was wrong and what is accepted, without a traceback
         p = plan(model, compute_s=None if a.compute_ms is None else a.compute_ms / 1e3, cluster=base,
                  nodes=a.nodes, gpus_per_node=a.gpus_per_node, intra=intra, inter=inter, methods=a.methods,
-                 calibration=cal, optimizer=a.optimizer)
+                 calibration=cal, optimizer=a.optimizer, bucket_bytes=round(a.bucket_mb * 2 ** 20))
     except ValueError as e:
         raise SystemExit(str(e)) from None
     i = p.inputs

@@ -6,9 +6,10 @@ rows fuse what backward has released each cycle, :func:`fused_groups`) and metho
     messages x alpha + bytes on the busiest link / bandwidth + codec seconds
 
 with the wire bytes and codec passes of :func:`hvd_ext.exchange.cost.route_wire_and_code`, the
-accounting ``compression="auto"`` predicts with. Across nodes the flat routes' node NIC carries
-the off-node part of its L ranks' traffic (a ring allreduce crosses it once per direction); the
-node-aware route (Horovod's hierarchical allreduce for dense rows) reduces densely inside the node
+accounting ``compression="auto"`` predicts with (on GPUs an allreduce's messages are NCCL's tree's
+where fewer, :func:`allreduce_messages`; a calibration's measured latencies replace them). Across
+nodes the flat routes' node NIC carries the off-node part of its L ranks' traffic (a ring allreduce
+crosses it once per direction); the node-aware route (Horovod's hierarchical allreduce for dense rows) reduces densely inside the node
 and runs the codec's route on a 1/L shard across nodes, the NIC carrying the L shards
 (:mod:`hvd_ext.exchange.cost` derives both).
 
@@ -71,7 +72,8 @@ class Cluster:
     ``intra_lat``: the fixed seconds of each collective of a node's ranks, measured inside a step: the
     node-aware route's first collective pays it (:func:`collective_seconds`); ``codec_compiled``: on a
     CPU, the elements per second of a codec call of ``compile_min`` elements or more, which runs
-    compiled (``codec``: the smaller, eager ones)."""
+    compiled (``codec``: the smaller, eager ones); ``allreduce_tree``: an allreduce's latency is the
+    smaller of the ring's and NCCL's tree's (:func:`allreduce_messages`)."""
 
     nodes: int
     local: int
@@ -88,6 +90,7 @@ class Cluster:
     intra_lat: Dict[str, float] = field(default_factory=dict)  # seconds per collective of a node, in a step
     codec_compiled: Dict[str, float] = field(default_factory=dict)  # elements/s of a call of compile_min or more
     compile_min: Optional[int] = None
+    allreduce_tree: bool = False  # NCCL's trees where they beat the ring (a GPU cluster): tree_messages
 
     @property
     def size(self) -> int:
@@ -149,6 +152,17 @@ def collective_seconds(kinds: Sequence[str], first: Dict[str, float], then: Dict
     return sum((first if i == 0 else then).get(k, first[k]) for i, k in enumerate(kinds))
 
 
+def allreduce_messages(nodes: int, local: int, tree: bool) -> int:
+    """Messages in a row on an allreduce of ``nodes`` x ``local`` ranks: the ring's 2(N-1); with
+    ``tree``, NCCL's where fewer (Jeaugey, "Massively scale your deep learning training with NCCL 2.4",
+    NVIDIA 2019): its double binary tree spans the nodes and a chain the ranks of each node, so
+    2(ceil(log2 nodes) + local - 1), at the ring's bandwidth. One node keeps the ring."""
+    ring = 2 * (nodes * local - 1)
+    if not tree or nodes < 2:
+        return ring
+    return min(ring, 2 * (math.ceil(math.log2(nodes)) + local - 1))
+
+
 def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
               sizes_known: bool = True, rounds: int = 1, later: float = 0.0) -> BucketCost:
     """A bucket on a flat route; ``rounds``: the allreduce rounds its codec takes
@@ -159,6 +173,8 @@ def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: 
     wire, code = cost.route_wire_and_code(kind, N, payload, enc, dec)
     base = "twophase" if kind == "sparse_rs" else kind
     messages = cost.per_rank(base, numel, payload, N)["messages"]
+    if kind == "allreduce" and N > 1:
+        messages = allreduce_messages(c.nodes, L, c.allreduce_tree)
     nic = wire if (c.nodes == 1 or kind == "allreduce") else L * wire * (N - L) / (N - 1)
     link = c.link()
     kinds = route_collectives(kind, sizes_known) * rounds
@@ -182,6 +198,8 @@ def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: flo
     intra_lat = 2.0 * (L - 1) * c.intra.alpha
     base = "twophase" if inner == "sparse_rs" else inner
     lat = cost.per_rank(base, max(numel // L, 1), payload / L, M)["messages"] * c.inter.alpha
+    if inner == "allreduce" and M > 1:
+        lat = allreduce_messages(M, 1, c.allreduce_tree) * c.inter.alpha
     if "alltoall" in c.intra_lat:  # the first, the reduce-scatter, waits for the slowest rank (collective_seconds)
         intra_lat = c.intra_lat["alltoall"] + (L - 1) * c.intra.alpha
     wire, code = cost.route_wire_and_code(inner, M, payload / L, enc / L, dec / L)

@@ -7,7 +7,8 @@ import torch
 
 from hvd_ext.exchange.cost import LinkModel
 from hvd_ext.plan import plan
-from hvd_ext.plan.model import HOROVOD_FUSION_BYTES, BucketCost, Cluster, codec_costs, horovod_rows, step_seconds
+from hvd_ext.plan.model import (HOROVOD_FUSION_BYTES, BucketCost, Cluster, allreduce_messages, codec_costs,
+                                 horovod_rows, step_seconds)
 from hvd_ext.spec import compression_from_spec
 from hvd_ext.testing.harness import run_pipeline
 
@@ -257,3 +258,33 @@ def test_horovod_fuses_what_one_cycle_releases_up_to_its_fusion_threshold():
     assert HOROVOD_FUSION_BYTES == 128 * 2 ** 20
     assert horovod_groups(big, 0.0, 1e9)[0] == [20 * 2 ** 20] * 3
     assert horovod_groups(big, 0.0, 1e9, "horovod fp16")[0] == [60 * 2 ** 20]
+
+
+def test_an_allreduce_on_gpus_pays_nccls_tree_latency_across_nodes():
+    """On a GPU cluster an allreduce's messages in a row are the fewer of the ring's 2(N-1) and NCCL's
+    tree over the nodes with a chain in each, 2(ceil(log2 nodes) + local - 1); one node keeps the ring,
+    and a CPU cluster (Gloo's ring) keeps the ring everywhere."""
+    assert allreduce_messages(1, 8, True) == 14
+    assert allreduce_messages(128, 8, True) == 2 * (7 + 7)
+    assert allreduce_messages(128, 8, False) == 2 * 1023
+    assert allreduce_messages(3, 1, True) == 4  # ceil(log2 3) = 2: the ring's 4 as well
+    kw = dict(compute_s=0.0, cluster="dgx-a100", nodes=128, methods=[], breakeven_search=False)
+    alpha = 5e-6  # the preset's inter-node latency
+    gpu, cpu = plan(1_000_000, **kw), plan(1_000_000, device="cpu", **kw)
+    assert gpu.row("horovod").buckets[0].latency == pytest.approx(28 * alpha)
+    assert cpu.row("horovod").buckets[0].latency == pytest.approx(2046 * alpha)
+    # the node-aware route's allreduce across the 128 nodes: a tree of depth 7 there too
+    hier = gpu.row("horovod hierarchical").buckets[0]
+    assert hier.latency == pytest.approx(2 * 7 * gpu.cluster.intra.alpha + 14 * alpha)
+
+
+def test_a_larger_bucket_pays_the_collectives_latency_fewer_times():
+    """``bucket_bytes`` is the optimizer's: the planner lays out buckets of that size, and where the
+    latency per collective decides (a thousand GPUs), fewer buckets make a faster exchange."""
+    kw = dict(cluster="p3-v100-25gbe", nodes=128, methods=["fp16"], breakeven_search=False)
+    small, large = plan("bert-large", **kw), plan("bert-large", bucket_bytes=128 * 2 ** 20, **kw)
+    a, b = small.row("fp16", "allreduce"), large.row("fp16", "allreduce")
+    assert len(b.buckets) < len(a.buckets)
+    assert b.wire == pytest.approx(a.wire)  # the same bytes ...
+    assert sum(x.latency for x in b.buckets) < sum(x.latency for x in a.buckets) / 5  # ... in fewer collectives
+    assert b.step_s < a.step_s

@@ -105,6 +105,8 @@ def test_published_models_give_their_compute_time():
     (dict(model=1000, compute_s=0.1, nodes=0), ">= 1"),
     (dict(model=1000, compute_s=0.1, methods=["zip"]), "unknown compressor"),
     (dict(model=1000, compute_s=0.1, optimizer="lamb"), "sgd, adam, none"),
+    (dict(model=1000, compute_s=0.1, bucket_bytes=0), "bucket_bytes 0; accepted: an int >= 1"),
+    (dict(model=1000, compute_s=0.1, bucket_bytes=1.5e6), "accepted: an int >= 1"),
 ])
 def test_bad_input_names_what_is_accepted(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
@@ -306,6 +308,7 @@ def test_model_file_loads_as_python_runs_it(tmp_path, monkeypatch):
     (["--measure", "--params", "1e6"], "--params not used in a measurement; accepted with --measure"),
     (["--measure", "--model-file", "GOOD", "--compute-ms", "5"], "--compute-ms not used in a measurement"),
     (["--measure", "--json", "x.json"], "--json not used in a measurement"),
+    (["--params", "1e6", "--compute-ms", "5", "--bucket-mb", "0"], "bad bucket_bytes 0; accepted: an int >= 1"),
     (["--model-file", "RAISES"], "loading it raised ImportError: no module named torchvision"),
     (["--measure", "--model-file", "EXITS"], "loading it raised SystemExit: 0"),
 ])
