@@ -44,10 +44,13 @@ gradients):
 
 ``predict_flat`` / ``predict_node_aware`` evaluate both with a
 :class:`NodeModel` (an intra and an inter :class:`LinkModel`);
-``choose_hierarchy`` compares them.
+``choose_hierarchy`` compares them. On GPUs (``NodeModel.tree``) an allreduce
+across nodes pays the latency of NCCL's trees where it is below the ring's
+(:func:`tree_allreduce_latency`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, List
 
@@ -139,13 +142,25 @@ def project(n_elems: int, compressed_bytes: float, sizes: List[int], link: LinkM
     return rows
 
 
+def tree_allreduce_latency(nodes: int, local: int, intra_alpha: float, inter_alpha: float) -> float:
+    """Seconds of the messages in a row of NCCL's allreduce over ``nodes`` x ``local`` GPUs as a tree
+    (Jeaugey, "Massively scale your deep learning training with NCCL 2.4", NVIDIA 2019): a double
+    binary tree spans the nodes and a chain the GPUs of each, up and down, at the ring's bandwidth, so
+    2((local - 1) x intra_alpha + ceil(log2 nodes) x inter_alpha). One node has no tree (inf)."""
+    if nodes < 2:
+        return math.inf
+    return 2.0 * ((local - 1) * intra_alpha + math.ceil(math.log2(nodes)) * inter_alpha)
+
+
 @dataclass
 class NodeModel:
     """Link models inside a node and between nodes (defaults: shared memory / NVLink-class inside,
-    10 Gbit/s Ethernet between)."""
+    10 Gbit/s Ethernet between); ``tree``: the allreduce runs NCCL's trees where they beat the ring
+    (the tensors are on GPUs, :func:`tree_allreduce_latency`)."""
 
     intra: LinkModel = None
     inter: LinkModel = None
+    tree: bool = False
 
     def __post_init__(self):
         if self.intra is None:
@@ -173,12 +188,16 @@ def predict_flat(exchange: str, n_elems: int, compressed_bytes: float, nodes: in
     c = per_rank(exchange, n_elems, compressed_bytes, N)
     if N <= 1:
         return model.intra.time(0, 0, c["coded"])
-    if exchange == "allreduce":
+    if exchange == "allreduce":   # the ring carries the payload as sent (float16: half)
+        c = dict(c, wire=allreduce_wire(compressed_bytes, N))
         nic = c["wire"]
     else:
         nic = local * c["wire"] * (N - local) / (N - 1)
     inter = model.inter
-    return c["messages"] * inter.alpha + nic / inter.bandwidth + c["coded"] / inter.codec
+    lat = c["messages"] * inter.alpha
+    if exchange == "allreduce" and model.tree:
+        lat = min(lat, tree_allreduce_latency(nodes, local, model.intra.alpha, inter.alpha))
+    return lat + nic / inter.bandwidth + c["coded"] / inter.codec
 
 
 def predict_node_aware(inner: str, n_elems: int, compressed_bytes: float, nodes: int, local: int,
@@ -193,7 +212,10 @@ def predict_node_aware(inner: str, n_elems: int, compressed_bytes: float, nodes:
     if inner == "allreduce":
         c = dict(c, wire=allreduce_wire(compressed_bytes / max(L, 1), M))
     inter = model.inter
-    return intra + c["messages"] * inter.alpha + L * c["wire"] / inter.bandwidth + c["coded"] / inter.codec
+    lat = c["messages"] * inter.alpha
+    if inner == "allreduce" and model.tree:
+        lat = min(lat, tree_allreduce_latency(M, 1, 0.0, inter.alpha))
+    return intra + lat + L * c["wire"] / inter.bandwidth + c["coded"] / inter.codec
 
 
 def choose_hierarchy(flat_candidates: Iterable[str], inner_candidates: Iterable[str], n_elems: int,

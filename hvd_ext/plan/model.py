@@ -7,7 +7,8 @@ rows fuse what backward has released each cycle, :func:`fused_groups`) and metho
 
 with the wire bytes and codec passes of :func:`hvd_ext.exchange.cost.route_wire_and_code`, the
 accounting ``compression="auto"`` predicts with (on GPUs an allreduce's messages are NCCL's tree's
-where fewer, :func:`allreduce_messages`; a calibration's measured latencies replace them). Across
+where less, :func:`hvd_ext.exchange.cost.tree_allreduce_latency`; a calibration's measured latencies
+replace them). Across
 nodes the flat routes' node NIC carries the off-node part of its L ranks' traffic (a ring allreduce
 crosses it once per direction); the node-aware route (Horovod's hierarchical allreduce for dense rows) reduces densely inside the node
 and runs the codec's route on a 1/L shard across nodes, the NIC carrying the L shards
@@ -73,7 +74,7 @@ class Cluster:
     node-aware route's first collective pays it (:func:`collective_seconds`); ``codec_compiled``: on a
     CPU, the elements per second of a codec call of ``compile_min`` elements or more, which runs
     compiled (``codec``: the smaller, eager ones); ``allreduce_tree``: an allreduce's latency is the
-    smaller of the ring's and NCCL's tree's (:func:`allreduce_messages`)."""
+    smaller of the ring's and NCCL's tree's (:func:`hvd_ext.exchange.cost.tree_allreduce_latency`)."""
 
     nodes: int
     local: int
@@ -90,7 +91,7 @@ class Cluster:
     intra_lat: Dict[str, float] = field(default_factory=dict)  # seconds per collective of a node, in a step
     codec_compiled: Dict[str, float] = field(default_factory=dict)  # elements/s of a call of compile_min or more
     compile_min: Optional[int] = None
-    allreduce_tree: bool = False  # NCCL's trees where they beat the ring (a GPU cluster): tree_messages
+    allreduce_tree: bool = False  # NCCL's trees where they beat the ring (a GPU cluster)
 
     @property
     def size(self) -> int:
@@ -152,17 +153,6 @@ def collective_seconds(kinds: Sequence[str], first: Dict[str, float], then: Dict
     return sum((first if i == 0 else then).get(k, first[k]) for i, k in enumerate(kinds))
 
 
-def allreduce_messages(nodes: int, local: int, tree: bool) -> int:
-    """Messages in a row on an allreduce of ``nodes`` x ``local`` ranks: the ring's 2(N-1); with
-    ``tree``, NCCL's where fewer (Jeaugey, "Massively scale your deep learning training with NCCL 2.4",
-    NVIDIA 2019): its double binary tree spans the nodes and a chain the ranks of each node, so
-    2(ceil(log2 nodes) + local - 1), at the ring's bandwidth. One node keeps the ring."""
-    ring = 2 * (nodes * local - 1)
-    if not tree or nodes < 2:
-        return ring
-    return min(ring, 2 * (math.ceil(math.log2(nodes)) + local - 1))
-
-
 def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
               sizes_known: bool = True, rounds: int = 1, later: float = 0.0) -> BucketCost:
     """A bucket on a flat route; ``rounds``: the allreduce rounds its codec takes
@@ -173,13 +163,13 @@ def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: 
     wire, code = cost.route_wire_and_code(kind, N, payload, enc, dec)
     base = "twophase" if kind == "sparse_rs" else kind
     messages = cost.per_rank(base, numel, payload, N)["messages"]
-    if kind == "allreduce" and N > 1:
-        messages = allreduce_messages(c.nodes, L, c.allreduce_tree)
     nic = wire if (c.nodes == 1 or kind == "allreduce") else L * wire * (N - L) / (N - 1)
     link = c.link()
     kinds = route_collectives(kind, sizes_known) * rounds
-    lat = messages * link.alpha * rounds
-    tail = messages * link.alpha * (rounds - 1)
+    one = messages * link.alpha
+    if kind == "allreduce" and c.allreduce_tree:
+        one = min(one, cost.tree_allreduce_latency(c.nodes, L, c.intra.alpha, c.inter.alpha))
+    lat, tail = one * rounds, one * (rounds - 1)
     if c.collective_lat:
         lat = collective_seconds(kinds, c.collective_lat, c.idle_lat)
         tail = lat - collective_seconds(kinds[:len(kinds) // rounds], c.collective_lat, c.idle_lat)
@@ -198,8 +188,8 @@ def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: flo
     intra_lat = 2.0 * (L - 1) * c.intra.alpha
     base = "twophase" if inner == "sparse_rs" else inner
     lat = cost.per_rank(base, max(numel // L, 1), payload / L, M)["messages"] * c.inter.alpha
-    if inner == "allreduce" and M > 1:
-        lat = allreduce_messages(M, 1, c.allreduce_tree) * c.inter.alpha
+    if inner == "allreduce" and c.allreduce_tree:
+        lat = min(lat, cost.tree_allreduce_latency(M, 1, 0.0, c.inter.alpha))
     if "alltoall" in c.intra_lat:  # the first, the reduce-scatter, waits for the slowest rank (collective_seconds)
         intra_lat = c.intra_lat["alltoall"] + (L - 1) * c.intra.alpha
     wire, code = cost.route_wire_and_code(inner, M, payload / L, enc / L, dec / L)

@@ -154,7 +154,9 @@ def route_options(comp: Compressor, mode: str, numel: Union[int, Sequence[int]],
     if model is None:
         model = exchange.node_model(device)
     if codec is not None:
-        model = cost.NodeModel(intra=model.intra, inter=dataclasses.replace(model.inter, codec=codec))
+        model = dataclasses.replace(model, inter=dataclasses.replace(model.inter, codec=codec))
+    if device is not None and torch.device(device).type == "cuda":
+        model = dataclasses.replace(model, tree=True)   # Horovod's allreduce of GPU tensors: NCCL's
     topo = exchange.topology()
     M, L = topo.cross_size, topo.local_size
     if comp.collective == "allreduce":

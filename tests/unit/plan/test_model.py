@@ -7,8 +7,7 @@ import torch
 
 from hvd_ext.exchange.cost import LinkModel
 from hvd_ext.plan import plan
-from hvd_ext.plan.model import (HOROVOD_FUSION_BYTES, BucketCost, Cluster, allreduce_messages, codec_costs,
-                                 horovod_rows, step_seconds)
+from hvd_ext.plan.model import HOROVOD_FUSION_BYTES, BucketCost, Cluster, codec_costs, horovod_rows, step_seconds
 from hvd_ext.spec import compression_from_spec
 from hvd_ext.testing.harness import run_pipeline
 
@@ -261,21 +260,19 @@ def test_horovod_fuses_what_one_cycle_releases_up_to_its_fusion_threshold():
 
 
 def test_an_allreduce_on_gpus_pays_nccls_tree_latency_across_nodes():
-    """On a GPU cluster an allreduce's messages in a row are the fewer of the ring's 2(N-1) and NCCL's
-    tree over the nodes with a chain in each, 2(ceil(log2 nodes) + local - 1); one node keeps the ring,
-    and a CPU cluster (Gloo's ring) keeps the ring everywhere."""
-    assert allreduce_messages(1, 8, True) == 14
-    assert allreduce_messages(128, 8, True) == 2 * (7 + 7)
-    assert allreduce_messages(128, 8, False) == 2 * 1023
-    assert allreduce_messages(3, 1, True) == 4  # ceil(log2 3) = 2: the ring's 4 as well
+    """On a GPU cluster an allreduce's latency is the smaller of the ring's 2(N-1) alphas and NCCL's
+    tree over the nodes with a chain in each (:func:`hvd_ext.exchange.cost.tree_allreduce_latency`);
+    a CPU cluster (Gloo's ring) keeps the ring."""
     kw = dict(compute_s=0.0, cluster="dgx-a100", nodes=128, methods=[], breakeven_search=False)
-    alpha = 5e-6  # the preset's inter-node latency
+    alpha = 5e-6  # the preset's latency, inside and across nodes
     gpu, cpu = plan(1_000_000, **kw), plan(1_000_000, device="cpu", **kw)
-    assert gpu.row("horovod").buckets[0].latency == pytest.approx(28 * alpha)
-    assert cpu.row("horovod").buckets[0].latency == pytest.approx(2046 * alpha)
+    assert gpu.row("horovod").buckets[0].latency == pytest.approx(2 * (7 + 7) * alpha)
+    assert cpu.row("horovod").buckets[0].latency == pytest.approx(2 * 1023 * alpha)
     # the node-aware route's allreduce across the 128 nodes: a tree of depth 7 there too
     hier = gpu.row("horovod hierarchical").buckets[0]
     assert hier.latency == pytest.approx(2 * 7 * gpu.cluster.intra.alpha + 14 * alpha)
+    p3 = plan(1_000_000, **{**kw, "cluster": "p3-v100-25gbe"})  # 5 us inside a node, 30 us across
+    assert p3.row("horovod").buckets[0].latency == pytest.approx(2 * (7 * 5e-6 + 7 * 30e-6))
 
 
 def test_a_larger_bucket_pays_the_collectives_latency_fewer_times():
@@ -288,3 +285,19 @@ def test_a_larger_bucket_pays_the_collectives_latency_fewer_times():
     assert b.wire == pytest.approx(a.wire)  # the same bytes ...
     assert sum(x.latency for x in b.buckets) < sum(x.latency for x in a.buckets) / 5  # ... in fewer collectives
     assert b.step_s < a.step_s
+
+
+@pytest.mark.parametrize("cluster", ["p3-v100-25gbe", "pcie-consumer-10gbe", "dgx-a100"])
+def test_the_planner_prices_a_gpu_allreduce_bucket_as_the_jobs_route_choice_does(cluster):
+    """For a dense float16 bucket on a GPU cluster the planner's flat and node-aware link times are the
+    job's own cost model's (:func:`hvd_ext.exchange.cost.predict_flat` / ``predict_node_aware`` with
+    NCCL's tree), so both pick the same route."""
+    from hvd_ext.exchange import cost
+
+    kw = dict(compute_s=0.0, cluster=cluster, nodes=128, methods=["fp16"], breakeven_search=False)
+    p = plan([(2048, 2048)], **kw)
+    model = cost.NodeModel(intra=p.cluster.intra, inter=p.cluster.inter, tree=True)
+    n = 2048 * 2048
+    flat, node = p.row("fp16", "allreduce").buckets[0], p.row("fp16", "node:allreduce").buckets[0]
+    assert flat.link_s == pytest.approx(cost.predict_flat("allreduce", n, 2 * n, 128, 8, model), rel=1e-6)
+    assert node.link_s == pytest.approx(cost.predict_node_aware("allreduce", n, 2 * n, 128, 8, model), rel=1e-6)

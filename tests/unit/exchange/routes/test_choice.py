@@ -1,5 +1,6 @@
 """hvd_ext.exchange.routes.choice: which route a bucket takes, from the spec, the cost model, the
 measured links and the node layout; flat where node groups are missing or under elastic."""
+import dataclasses
 import warnings
 
 import pytest
@@ -147,3 +148,21 @@ def test_route_choice_prices_the_buckets_tensors(monkeypatch):
     assert seen and all(s == sizes for s in seen)
     assert choice.choose_route(compression_from_spec("qdist:budget=2.5"), "auto", sum(sizes), 4) in ("allgather",
                                                                                                   "twophase")
+
+
+def test_a_gpu_buckets_route_choice_prices_nccls_tree():
+    """On GPU tensors the job's route choice prices an allreduce as NCCL runs it (the model's ``tree``),
+    as the planner does on a GPU cluster; on CPU tensors the ring."""
+    from hvd_ext.exchange.routes import route_options
+
+    model = cost.NodeModel(intra=cost.LinkModel(alpha=5e-6, bandwidth=1e11),
+                           inter=cost.LinkModel(alpha=30e-6, bandwidth=1e10))
+    comp = hvd_ext.compression_from_spec("none")
+    n = 10 ** 6
+    opts = {dev: route_options(comp, "auto", n, 1024, exchange=_Ex(Topology(0, 8, 0, 128), model=model), device=dev)
+            for dev in ("cpu", "cuda")}
+    tree = dataclasses.replace(model, tree=True)
+    assert opts["cuda"]["flat_s"] == pytest.approx(cost.predict_flat("allreduce", n, 4 * n, 128, 8, tree))
+    assert opts["cpu"]["flat_s"] == pytest.approx(cost.predict_flat("allreduce", n, 4 * n, 128, 8, model))
+    assert opts["cuda"]["flat_s"] < opts["cpu"]["flat_s"] - 0.05   # 2046 ring latencies against 28
+    assert opts["cuda"]["node_s"] < opts["cpu"]["node_s"]
