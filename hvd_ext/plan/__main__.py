@@ -17,6 +17,7 @@ import argparse
 import importlib.machinery
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -159,6 +160,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown --cluster {a.cluster!r}; accepted: {', '.join(presets.CLUSTERS)}")
     inter = LinkModel(alpha=base.inter.alpha, bandwidth=a.inter_gbps * presets.GBIT) if a.inter_gbps else None
     intra = LinkModel(alpha=base.intra.alpha, bandwidth=a.intra_gbps * presets.GBIT) if a.intra_gbps else None
+    if not (math.isfinite(a.bucket_mb) and round(a.bucket_mb * 2 ** 20) >= 1):
+        raise SystemExit(f"--bucket-mb: bad value {a.bucket_mb!r}; accepted: MiB of one bucket, at least a byte "
+                         f"(default {DEFAULT_BUCKET_BYTES / 2 ** 20:g})")
     model = model_input(a)
     try:   # a bad input says what was wrong and what is accepted, without a traceback
         p = plan(model, compute_s=None if a.compute_ms is None else a.compute_ms / 1e3, cluster=base,

@@ -118,8 +118,8 @@ class BucketCost:
 
 
 def buckets_of(shapes: Sequence[tuple], bucket_bytes: int, first_bytes: Optional[int]) -> List[List[tuple]]:
-    """The tensor shapes of each bucket the optimizer (or Horovod's fusion buffer) forms over tensors
-    of ``shapes`` (registration order), in the order backward releases them."""
+    """The tensor shapes of each bucket the optimizer forms over tensors of ``shapes`` (registration
+    order), in the order backward releases them."""
     named = [(str(i), torch.empty(tuple(s), device="meta")) for i, s in enumerate(shapes)]
     return [[tuple(shapes[i]) for i in b] for b in plan_buckets(named, bucket_bytes, first_bytes)]
 
@@ -278,7 +278,7 @@ def fused_groups(numels: Sequence[int], width: float, compute_s: float, codec_s,
             size += numels[j]
             j += 1
         b = cost_of(numels[i:j])
-        free = max(free, release[j - 1]) + b.link_s + (0.0 if codec_on_compute else b.code)
+        free = max(free, release[j - 1]) + b.link_s - b.tail_s + (0.0 if codec_on_compute else b.code)
         groups.append(b)
         i = j
     return groups
@@ -301,7 +301,8 @@ def horovod_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster) -> List[
     c = dataclasses.replace(horovod_view(c), intra_lat={})  # its own groups, not hvd_ext's (not measured)
     if c.nodes > 1 and c.local > 1:
         costs = fused_groups(numels, 4.0, compute_s, lambda n: 0.0,
-                             lambda g: node_aware_cost("allreduce", sum(g), 4.0 * sum(g), 0.0, 0.0, c), False)
+                             lambda g: node_aware_cost("allreduce", sum(g), 4.0 * sum(g), 0.0, 0.0, c),
+                             c.codec_on_compute)
         rows.append(make_row("horovod hierarchical", None, "node:allreduce", costs, compute_s, c,
                              "HOROVOD_HIERARCHICAL_ALLREDUCE=1"))
     return rows

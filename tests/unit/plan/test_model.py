@@ -301,3 +301,18 @@ def test_the_planner_prices_a_gpu_allreduce_bucket_as_the_jobs_route_choice_does
     flat, node = p.row("fp16", "allreduce").buckets[0], p.row("fp16", "node:allreduce").buckets[0]
     assert flat.link_s == pytest.approx(cost.predict_flat("allreduce", n, 2 * n, 128, 8, model), rel=1e-6)
     assert node.link_s == pytest.approx(cost.predict_node_aware("allreduce", n, 2 * n, 128, 8, model), rel=1e-6)
+
+
+def test_on_a_cpu_horovods_float16_casts_delay_backward_not_the_link():
+    """Horovod's float16 compression casts each gradient in its hook: on a CPU (``codec_on_compute``)
+    that time delays the tensors released after it; elsewhere it is on the exchange's side."""
+    shapes = [(1000, 1000)] * 10   # backward (0.2 s) releases one every 20 ms
+    link = LinkModel(alpha=0.0, bandwidth=4e9)   # 2 MB of float16 ring traffic each: 0.5 ms
+    groups, steps = {}, {}
+    for on_cpu in (True, False):
+        c = Cluster(1, 2, link, link, codec={"fp16": 2e8}, codec_on_compute=on_cpu)  # 5 ms a pass, 10 ms a tensor
+        row = next(r for r in horovod_rows(shapes, 0.3, c) if r.label == "horovod fp16")
+        groups[on_cpu], steps[on_cpu] = [b.numel for b in row.buckets], row.step_s
+    assert groups[True] == groups[False] == [10 ** 6] * 10   # 30 and 20 ms apart: each goes alone
+    assert steps[True] == pytest.approx(0.3 + 10 * 0.01 + 0.5e-3)   # backward took the casts too
+    assert steps[False] == pytest.approx(0.3 + 0.01 + 0.5e-3)       # only the last tensor's after it

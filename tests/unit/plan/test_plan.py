@@ -308,7 +308,9 @@ def test_model_file_loads_as_python_runs_it(tmp_path, monkeypatch):
     (["--measure", "--params", "1e6"], "--params not used in a measurement; accepted with --measure"),
     (["--measure", "--model-file", "GOOD", "--compute-ms", "5"], "--compute-ms not used in a measurement"),
     (["--measure", "--json", "x.json"], "--json not used in a measurement"),
-    (["--params", "1e6", "--compute-ms", "5", "--bucket-mb", "0"], "bad bucket_bytes 0; accepted: an int >= 1"),
+    (["--params", "1e6", "--compute-ms", "5", "--bucket-mb", "0"], "--bucket-mb: bad value 0.0; accepted: MiB"),
+    (["--params", "1e6", "--compute-ms", "5", "--bucket-mb", "inf"], "--bucket-mb: bad value inf; accepted: MiB"),
+    (["--params", "1e6", "--compute-ms", "5", "--bucket-mb", "nan"], "--bucket-mb: bad value nan; accepted: MiB"),
     (["--model-file", "RAISES"], "loading it raised ImportError: no module named torchvision"),
     (["--measure", "--model-file", "EXITS"], "loading it raised SystemExit: 0"),
 ])
