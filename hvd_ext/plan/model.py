@@ -8,11 +8,10 @@ rows fuse what backward has released each cycle, :func:`fused_groups`) and metho
 with the wire bytes and codec passes of :func:`hvd_ext.exchange.cost.route_wire_and_code`, the
 accounting ``compression="auto"`` predicts with (on GPUs an allreduce's messages are NCCL's tree's
 where less, :func:`hvd_ext.exchange.cost.tree_allreduce_latency`; a calibration's measured latencies
-replace them). Across
-nodes the flat routes' node NIC carries the off-node part of its L ranks' traffic (a ring allreduce
-crosses it once per direction); the node-aware route (Horovod's hierarchical allreduce for dense rows) reduces densely inside the node
-and runs the codec's route on a 1/L shard across nodes, the NIC carrying the L shards
-(:mod:`hvd_ext.exchange.cost` derives both).
+replace them). Across nodes the flat routes' node NIC carries the off-node part of its L ranks'
+traffic (a ring allreduce crosses it once per direction); the node-aware route (Horovod's
+hierarchical allreduce for dense rows) reduces densely inside the node and runs the codec's route on
+a 1/L shard across nodes, the NIC carrying the L shards (:mod:`hvd_ext.exchange.cost` derives both).
 
 Step time overlaps the exchange with backward as the optimizer's hooks do: forward is a third of
 ``compute_s``, backward releases buckets in order in proportion to their size, the link takes one
