@@ -47,7 +47,8 @@ def test_an_allreduce_of_gpu_tensors_pays_the_tree_latency_across_nodes():
     n = 1000
     assert cost.tree_allreduce_latency(128, 8, a_in, a_out) == pytest.approx(2 * (7 * a_in + 7 * a_out))
     assert cost.tree_allreduce_latency(1, 8, a_in, a_out) == math.inf
-    gap = cost.predict_flat("allreduce", n, 4 * n, 128, 8, ring) - cost.predict_flat("allreduce", n, 4 * n, 128, 8, tree)
+    gap = (cost.predict_flat("allreduce", n, 4 * n, 128, 8, ring)
+           - cost.predict_flat("allreduce", n, 4 * n, 128, 8, tree))
     assert gap == pytest.approx(2 * 1023 * a_out - 2 * (7 * a_in + 7 * a_out), rel=1e-6)
     gap = (cost.predict_node_aware("allreduce", n, 4 * n, 128, 8, ring)
            - cost.predict_node_aware("allreduce", n, 4 * n, 128, 8, tree))
