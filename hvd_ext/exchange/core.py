@@ -96,6 +96,13 @@ class Pending:
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
+def sums_half_itself(dtype: torch.dtype, device_type: str, size: int) -> bool:
+    """Whether :meth:`Exchange.start_allreduce` sums a ``dtype`` buffer on ``device_type`` itself, in
+    float32 (an alltoall, then an allgather; see ``HALF_RS_MIN``), rather than by the transport's
+    allreduce: bfloat16 always (Horovod has none), float16 on a CPU (Horovod's sum there is scalar code)."""
+    return dtype == torch.bfloat16 or (dtype == torch.float16 and device_type == "cpu" and size > 1)
+
+
 def _op_name(op) -> str:
     if op is None:
         return "average"
@@ -376,7 +383,7 @@ class Exchange:
                 parts = parts + [_flag_element(nonfinite, dtype, parts[0].device)]
             tag = f"{name}.{str(dtype).split('.')[-1]}"
             flat = self._fused(tag, parts, reuse)
-            if dtype == torch.bfloat16 or (dtype == torch.float16 and flat.device.type == "cpu" and N > 1):
+            if sums_half_itself(dtype, flat.device.type, N):
                 handles.append(self._start_half_sum(flat, tag))
             else:
                 handles.append(tr.allreduce_async(flat, tag, op=self.op_name, prescale=self.prescale_factor,

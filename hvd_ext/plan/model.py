@@ -1,7 +1,7 @@
 """The planner's step-time model: every method's predicted exchange and step time on one cluster.
 
 Per bucket (:func:`hvd_ext.pipeline.plan_buckets`, the layout the optimizer uses; Horovod's own
-rows fuse what backward has released each cycle, :func:`fused_groups`) and method, the exchange costs
+rows: per tensor) and method, the exchange costs
 
     messages x alpha + bytes on the busiest link / bandwidth + codec seconds
 
@@ -13,9 +13,11 @@ traffic (a ring allreduce crosses it once per direction); the node-aware route (
 hierarchical allreduce for dense rows) reduces densely inside the node and runs the codec's route on
 a 1/L shard across nodes, the NIC carrying the L shards (:mod:`hvd_ext.exchange.cost` derives both).
 
-Step time overlaps the exchange with backward as the optimizer's hooks do: forward is a third of
-``compute_s``, backward releases buckets in order in proportion to their size, the link takes one
-bucket at a time, and the step ends when both compute and the last exchange have; a codec's later
+Horovod's background thread fuses the allreduces (and gathers) that are ready together, hvd_ext's
+buckets as its own tensors (:func:`fused_groups`): a fused group pays the collective's fixed cost
+once. Step time overlaps the exchange with backward as the optimizer's hooks do: forward is a third
+of ``compute_s``, backward releases buckets in order in proportion to their size, the link takes one
+group at a time, and the step ends when both compute and the last exchange have; a codec's later
 allreduce rounds (PowerSGD's second) start only once backward is over. On a GPU the
 codec runs beside compute (its own stream); on a CPU it runs on the core that computes, so it
 delays the buckets behind it (``codec_on_compute``).
@@ -32,7 +34,7 @@ import torch
 
 from ..compression.base import Compressor, TensorInfo
 from ..exchange import cost
-from ..exchange.core import frame_size
+from ..exchange.core import Exchange, frame_size, sums_half_itself
 from ..exchange.routes import (codec_node_aware_reason, estimated_bucket_bytes, estimated_payload_bytes,
                                route_payload)
 from ..exchange.routes.allreduce import bucket_rounds
@@ -110,6 +112,9 @@ class BucketCost:
     code: float          # codec seconds
     link_s: float        # latency + nic / bandwidth (+ the intra part of a node-aware exchange)
     tail_s: float = 0.0  # the part of link_s that starts only once backward is over (later rounds)
+    tail_lat: float = 0.0  # the part of latency in tail_s
+    fuse: Optional[str] = None  # Horovod fuses its collective with the next ones of this key (None: never)
+    fuse_bytes: float = 0.0     # the bytes that counts against HOROVOD_FUSION_BYTES
 
     @property
     def seconds(self) -> float:
@@ -153,34 +158,46 @@ def collective_seconds(kinds: Sequence[str], first: Dict[str, float], then: Dict
 
 
 def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
-              sizes_known: bool = True, rounds: int = 1, later: float = 0.0) -> BucketCost:
+              sizes_known: bool = True, rounds: int = 1, later: float = 0.0, fuse: Optional[str] = None,
+              collectives: Optional[tuple] = None) -> BucketCost:
     """A bucket on a flat route; ``rounds``: the allreduce rounds its codec takes
     (``Compressor.rounds``), each after the first a collective at the ranks-together cost that starts
     once backward is over (:mod:`hvd_ext.exchange.routes.allreduce`), carrying ``later`` of the
-    ``payload`` bytes (``Compressor.round_bytes``): both are the bucket's ``tail_s``."""
+    ``payload`` bytes (``Compressor.round_bytes``): both are the bucket's ``tail_s``. ``collectives``:
+    one round's collectives where they are not the route's own (hvd_ext's half-precision sum:
+    :func:`half_sum_collectives`), each N-1 messages. ``fuse``: the key under which Horovod fuses an
+    allreduce or a gather of known sizes with the next ones (:func:`fused_groups`)."""
     N, L = c.size, c.local
     wire, code = cost.route_wire_and_code(kind, N, payload, enc, dec)
     base = "twophase" if kind == "sparse_rs" else kind
     messages = cost.per_rank(base, numel, payload, N)["messages"]
     nic = wire if (c.nodes == 1 or kind == "allreduce") else L * wire * (N - L) / (N - 1)
     link = c.link()
-    kinds = route_collectives(kind, sizes_known) * rounds
+    kinds = (collectives or route_collectives(kind, sizes_known)) * rounds
+    if collectives:
+        messages = (N - 1) * len(collectives)
     one = messages * link.alpha
-    if kind == "allreduce" and c.allreduce_tree:
+    if kind == "allreduce" and c.allreduce_tree and not collectives:
         one = min(one, cost.tree_allreduce_latency(c.nodes, L, c.intra.alpha, c.inter.alpha))
     lat, tail = one * rounds, one * (rounds - 1)
     if c.collective_lat:
         lat = collective_seconds(kinds, c.collective_lat, c.idle_lat)
         tail = lat - collective_seconds(kinds[:len(kinds) // rounds], c.collective_lat, c.idle_lat)
     link_s = lat + nic / link.bandwidth
+    tail_lat = tail
     tail += nic * later / payload / link.bandwidth if payload > 0 else 0.0
-    return BucketCost(numel, wire, nic, lat, code, link_s, min(tail, link_s))
+    fused_kind = kinds[0] in ("allreduce", "allgather")  # Horovod fuses these, not an alltoall
+    return BucketCost(numel, wire, nic, lat, code, link_s, min(tail, link_s), min(tail_lat, link_s),
+                      fuse if fused_kind else None, (payload if kinds[0] == "allreduce" else N * payload))
 
 
-def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: float, c: Cluster) -> BucketCost:
+def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
+                    fuse: Optional[str] = None) -> BucketCost:
     """The node-aware route (:mod:`hvd_ext.exchange.routes.hierarchical`): a dense reduce-scatter (an
     alltoall) inside the node, ``inner`` across nodes on a 1/L shard, a dense allgather inside the
-    node; messages x alpha each, but the first collective at ``intra_lat`` where measured."""
+    node; messages x alpha each, but the first collective at ``intra_lat`` where measured. ``fuse``:
+    Horovod's hierarchical allreduce, which it fuses as its flat one (hvd_ext's route starts with an
+    alltoall, which it does not)."""
     L, M = c.local, c.nodes
     D = 4.0 * numel
     intra_wire = 2.0 * (L - 1) / L * D
@@ -194,14 +211,15 @@ def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: flo
     wire, code = cost.route_wire_and_code(inner, M, payload / L, enc / L, dec / L)
     nic = L * wire
     link_s = intra_lat + intra_wire / c.intra.bandwidth + lat + nic / c.inter.bandwidth
-    return BucketCost(numel, intra_wire + wire, nic, intra_lat + lat, code, link_s)
+    return BucketCost(numel, intra_wire + wire, nic, intra_lat + lat, code, link_s, fuse=fuse, fuse_bytes=D)
 
 
 @dataclass
 class Row:
     """One method's prediction: ``label``, ``spec`` (None for Horovod's rows), ``route``, per step
     ``wire`` bytes per rank, ``nic`` bytes on the busiest link, ``exchange_s`` (link + codec time of
-    all buckets) and ``step_s``."""
+    all collectives) and ``step_s``; ``buckets``: the cost of each of the method's buckets (Horovod's:
+    of each tensor), ``groups``: of each collective as Horovod runs them, fused (:func:`fused_groups`)."""
 
     label: str
     spec: Optional[str]
@@ -211,6 +229,7 @@ class Row:
     exchange_s: float
     step_s: float
     buckets: List[BucketCost] = field(repr=False, default_factory=list)
+    groups: List[BucketCost] = field(repr=False, default_factory=list)
     note: str = ""
 
 
@@ -234,8 +253,11 @@ def step_seconds(bucket_costs: Sequence[BucketCost], compute_s: float, codec_on_
 
 def make_row(label: str, spec: Optional[str], route: str, costs: List[BucketCost], compute_s: float,
              c: Cluster, note: str = "") -> Row:
+    """The row of a method whose buckets (Horovod: tensors) cost ``costs``, fused as Horovod fuses them."""
+    groups = fused_groups(costs, compute_s, c.codec_on_compute)
     return Row(label, spec, route, sum(b.wire for b in costs), sum(b.nic for b in costs),
-               sum(b.seconds for b in costs), step_seconds(costs, compute_s, c.codec_on_compute), costs, note)
+               sum(g.seconds for g in groups), step_seconds(groups, compute_s, c.codec_on_compute), costs, groups,
+               note)
 
 
 def horovod_view(c: Cluster, fp16: bool = False) -> Cluster:
@@ -252,56 +274,64 @@ def horovod_view(c: Cluster, fp16: bool = False) -> Cluster:
         inter=dataclasses.replace(c.inter, bandwidth=c.inter.bandwidth / slow), collective_lat=lat)
 
 
-def fused_groups(numels: Sequence[int], width: float, compute_s: float, codec_s, cost_of,
-                 codec_on_compute: bool) -> List[BucketCost]:
-    """Horovod's tensor fusion (its docs/tensor-fusion.rst): tensors leave backward one by one
-    (reverse registration order, ``numels``, in proportion to their size; on a CPU each one's
-    ``codec_s(numel)`` seconds on the compute core after it); every cycle its background thread takes
-    the tensors released so far, up to the fusion threshold, into one allreduce, and takes the next
-    group once that one is done. Idle, it takes a tensor half a cycle after its release on average,
-    with what backward releases meanwhile. Each group is priced by ``cost_of(group numels)`` and
-    starts as :func:`step_seconds` starts it (the cycle's wait is inside a measured latency)."""
+def fused(costs: Sequence[BucketCost]) -> BucketCost:
+    """Collectives Horovod runs as one: their bytes and codec time add up, each round's fixed cost is
+    paid once."""
+    if len(costs) == 1:
+        return costs[0]
+    later = max(b.tail_lat for b in costs)
+    lat = max(b.latency - b.tail_lat for b in costs) + later
+    return BucketCost(sum(b.numel for b in costs), sum(b.wire for b in costs), sum(b.nic for b in costs), lat,
+                      sum(b.code for b in costs), sum(b.link_s - b.latency for b in costs) + lat,
+                      sum(b.tail_s - b.tail_lat for b in costs) + later, later, costs[0].fuse,
+                      sum(b.fuse_bytes for b in costs))
+
+
+def fused_groups(costs: Sequence[BucketCost], compute_s: float, codec_on_compute: bool) -> List[BucketCost]:
+    """Horovod's tensor fusion (its docs/tensor-fusion.rst; ``FuseResponses`` in its controller.cc),
+    which takes hvd_ext's bucket collectives as it takes its own tensors. Backward releases ``costs``
+    in order, in proportion to their size (on a CPU each one's codec seconds on the compute core after
+    it); every cycle Horovod's background thread takes the collectives released so far, up to the
+    fusion threshold, into one: consecutive ones with the same ``fuse`` key (an allreduce of one dtype;
+    an allgather, counted at its output's bytes; never an alltoall). It takes the next group once that
+    one is done; idle, a collective half a cycle after its release on average, with what backward
+    releases meanwhile. Each group starts as :func:`step_seconds` starts it (the cycle's wait is
+    inside a measured latency)."""
     forward, backward = compute_s / 3.0, 2.0 * compute_s / 3.0
-    total = sum(numels) or 1
+    total = sum(b.numel for b in costs) or 1
     release, t = [], forward
-    for n in numels:
-        t += backward * n / total + (codec_s(n) if codec_on_compute else 0.0)
+    for b in costs:
+        t += backward * b.numel / total + (b.code if codec_on_compute else 0.0)
         release.append(t)
-    limit = HOROVOD_FUSION_BYTES / width
     groups: List[BucketCost] = []
     i, free = 0, 0.0
-    while i < len(numels):
+    while i < len(costs):
         taken = max(free, release[i] + HOROVOD_CYCLE_S / 2)  # when the thread takes this group
-        j, size = i + 1, numels[i]
-        while j < len(numels) and release[j] <= taken and size + numels[j] <= limit:
-            size += numels[j]
+        j, size, key = i + 1, costs[i].fuse_bytes, costs[i].fuse
+        while (key is not None and j < len(costs) and costs[j].fuse == key and release[j] <= taken
+               and size + costs[j].fuse_bytes <= HOROVOD_FUSION_BYTES):
+            size += costs[j].fuse_bytes
             j += 1
-        b = cost_of(numels[i:j])
-        free = max(free, release[j - 1]) + b.link_s - b.tail_s + (0.0 if codec_on_compute else b.code)
-        groups.append(b)
+        g = fused(costs[i:j])
+        free = max(free, release[j - 1]) + g.link_s - g.tail_s + (0.0 if codec_on_compute else g.code)
+        groups.append(g)
         i = j
     return groups
 
 
 def horovod_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster) -> List[Row]:
-    """Horovod's fp32 and fp16 allreduce, and its hierarchical allreduce across nodes, each fused as
-    Horovod fuses (:func:`fused_groups`)."""
+    """Horovod's fp32 and fp16 allreduce, and its hierarchical allreduce across nodes: one allreduce
+    per tensor, fused as Horovod fuses them (:func:`make_row`)."""
     numels = [math.prod(s) for s in reversed(shapes)]
     rows = []
     for label, width, spec in (("horovod", 4.0, None), ("horovod fp16", 2.0, "fp16")):
         hc = horovod_view(c, fp16=spec is not None)
-        code = (lambda n, hc=hc, spec=spec: 2 * codec_seconds(spec, n, hc)) if spec else (lambda n: 0.0)
-
-        def flat(group, hc=hc, width=width, code=code):
-            enc = sum(code(n) for n in group) / 2
-            return flat_cost("allreduce", sum(group), width * sum(group), enc, enc, hc)
-        costs = fused_groups(numels, width, compute_s, code, flat, hc.codec_on_compute)
+        costs = [flat_cost("allreduce", n, width * n, *[codec_seconds(spec, n, hc) if spec else 0.0] * 2, hc,
+                           fuse=f"allreduce/{label}") for n in numels]
         rows.append(make_row(label, None, "allreduce", costs, compute_s, hc))
     c = dataclasses.replace(horovod_view(c), intra_lat={})  # its own groups, not hvd_ext's (not measured)
     if c.nodes > 1 and c.local > 1:
-        costs = fused_groups(numels, 4.0, compute_s, lambda n: 0.0,
-                             lambda g: node_aware_cost("allreduce", sum(g), 4.0 * sum(g), 0.0, 0.0, c),
-                             c.codec_on_compute)
+        costs = [node_aware_cost("allreduce", n, 4.0 * n, 0.0, 0.0, c, fuse="allreduce/horovod") for n in numels]
         rows.append(make_row("horovod hierarchical", None, "node:allreduce", costs, compute_s, c,
                              "HOROVOD_HIERARCHICAL_ALLREDUCE=1"))
     return rows
@@ -488,8 +518,20 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
             rounds, later = (bucket_rounds(comp, shapes, STEADY_STEP), later_round_bytes(comp, shapes)) \
                 if route == "allreduce" else (1, 0.0)
             costs.append(flat_cost(route, n, payload, enc, dec, c, sizes_known(comp, shapes, route, parts),
-                                   rounds, later))
+                                   rounds, later, f"{route}/{comp.wire_dtype or torch.float32}",
+                                   half_sum_collectives(comp, route, n, c)))
     return costs
+
+
+def half_sum_collectives(comp: Compressor, route: str, numel: int, c: Cluster) -> Optional[tuple]:
+    """The collectives of an allreduce bucket that hvd_ext sums itself
+    (:func:`hvd_ext.exchange.core.sums_half_itself`; a CPU is where the codec runs on the compute core):
+    an alltoall then an allgather, or on two ranks and a small bucket one allgather; None where the
+    transport's allreduce sums it."""
+    dtype = comp.wire_dtype or torch.float32
+    if route != "allreduce" or not sums_half_itself(dtype, "cpu" if c.codec_on_compute else "cuda", c.size):
+        return None
+    return ("alltoall", "allgather") if c.size > 2 or numel >= Exchange.HALF_RS_MIN else ("allgather",)
 
 
 OPTIMIZERS = ("sgd", "adam", "none")

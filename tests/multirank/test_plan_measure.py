@@ -57,3 +57,15 @@ def test_measure_with_a_model_file_times_its_step(tmp_path):
                        cwd=str(ROOT))
     assert p.returncode == 0, p.stderr
     assert f"compute {cal['compute_s'] * 1e3:.1f} ms/step" in p.stdout
+
+
+def test_horovod_fuses_the_buckets_allreduces(tmp_path):
+    """The planner prices hvd_ext's buckets as Horovod runs them, fused when they are ready together
+    (``hvd_ext.plan.model.fused_groups``): Horovod's timeline shows fewer allreduces than buckets."""
+    from conftest import launch
+
+    from helpers.checks import assert_checks
+
+    results = launch("bucket_fusion.py", tmp_path / "timeline.json", np=2, timeout=180)
+    assert_checks(results)
+    assert results[0]["allreduces"] < results[0]["buckets"]

@@ -7,7 +7,8 @@ import torch
 
 from hvd_ext.exchange.cost import LinkModel
 from hvd_ext.plan import plan
-from hvd_ext.plan.model import HOROVOD_FUSION_BYTES, BucketCost, Cluster, codec_costs, horovod_rows, step_seconds
+from hvd_ext.plan.model import (HOROVOD_FUSION_BYTES, BucketCost, Cluster, codec_costs, codec_rows, fused_groups,
+                                horovod_rows, step_seconds)
 from hvd_ext.spec import compression_from_spec
 from hvd_ext.testing.harness import run_pipeline
 
@@ -233,7 +234,7 @@ def horovod_groups(shapes, compute_s, bandwidth, label="horovod"):
     link = LinkModel(alpha=0.0, bandwidth=bandwidth)
     c = Cluster(1, 2, link, link, codec={"fp16": float("inf")})
     row = next(r for r in horovod_rows(shapes, compute_s, c) if r.label == label)
-    return [b.numel for b in row.buckets], row.step_s
+    return [g.numel for g in row.groups], row.step_s
 
 
 def test_horovod_fuses_what_backward_released_while_its_link_was_busy():
@@ -275,16 +276,57 @@ def test_an_allreduce_on_gpus_pays_nccls_tree_latency_across_nodes():
     assert p3.row("horovod").buckets[0].latency == pytest.approx(2 * (7 * 5e-6 + 7 * 30e-6))
 
 
-def test_a_larger_bucket_pays_the_collectives_latency_fewer_times():
-    """``bucket_bytes`` is the optimizer's: the planner lays out buckets of that size, and where the
-    latency per collective decides (a thousand GPUs), fewer buckets make a faster exchange."""
-    kw = dict(cluster="p3-v100-25gbe", nodes=128, methods=["fp16"], breakeven_search=False)
-    small, large = plan("bert-large", **kw), plan("bert-large", bucket_bytes=128 * 2 ** 20, **kw)
-    a, b = small.row("fp16", "allreduce"), large.row("fp16", "allreduce")
-    assert len(b.buckets) < len(a.buckets)
-    assert b.wire == pytest.approx(a.wire)  # the same bytes ...
-    assert sum(x.latency for x in b.buckets) < sum(x.latency for x in a.buckets) / 5  # ... in fewer collectives
-    assert b.step_s < a.step_s
+def fused_rows(spec, on_gpu, size=4, compute_s=0.0):
+    """``spec``'s rows on ``size`` ranks whose link costs only its latency (1 ms a message), over ten
+    4 MB tensors in ten buckets, all released at once (``compute_s`` 0)."""
+    link = LinkModel(alpha=1e-3, bandwidth=float("inf"))
+    c = Cluster(1, size, link, link, codec={spec.split(":")[0]: float("inf")}, codec_on_compute=not on_gpu,
+                allreduce_tree=on_gpu)
+    return {r.route: r for r in codec_rows(spec, [(1000, 1000)] * 10, compute_s, c, bucket_bytes=4 * 10 ** 6)}
+
+
+def test_horovod_fuses_hvd_exts_bucket_allreduces_as_its_own_tensors():
+    """hvd_ext starts a collective per bucket through Horovod, whose background thread fuses the
+    allreduces that are ready together (one dtype, up to its threshold): the latency is paid once per
+    group, the bytes are every bucket's."""
+    row = fused_rows("fp16", on_gpu=True)["allreduce"]
+    assert len(row.buckets) == 10 and len(row.groups) == 1
+    assert row.groups[0].wire == pytest.approx(sum(b.wire for b in row.buckets))
+    assert row.exchange_s == pytest.approx(2 * 3 * 1e-3)  # one ring's 2(N-1) messages, not ten
+    assert row.step_s == pytest.approx(row.exchange_s)
+    # released one by one over a slow backward, each goes alone when the link is idle
+    slow = fused_rows("fp16", on_gpu=True, compute_s=3.0)["allreduce"]
+    assert len(slow.groups) == 10
+
+
+def test_what_horovod_does_not_fuse_pays_every_buckets_latency():
+    """An alltoall is never fused (the two-phase route's first collective), nor hvd_ext's own
+    float16 sum on a CPU (an alltoall, then an allgather); a gather of known sizes is, at its output's
+    bytes."""
+    rows = fused_rows("qsgd:bits=8", on_gpu=True)
+    assert len(rows["twophase"].groups) == 10
+    assert len(rows["allgather"].groups) == 1
+    gathered = rows["allgather"]  # each rank sends its payload to 3 others; Horovod counts all 4 it receives
+    assert gathered.groups[0].fuse_bytes == pytest.approx(4 * sum(b.nic for b in gathered.buckets) / 3)
+    cpu = fused_rows("fp16", on_gpu=False)["allreduce"]
+    assert len(cpu.groups) == 10
+    assert cpu.buckets[0].latency == pytest.approx(2 * 3 * 1e-3)  # an alltoall and an allgather, N-1 each
+    assert fused_rows("fp16", on_gpu=False, size=2)["allreduce"].buckets[0].latency == pytest.approx(1e-3)
+
+
+def test_a_fused_group_pays_each_rounds_latency_once_and_stops_at_the_threshold():
+    """PowerSGD's two rounds: a group pays the first round's latency and the second's once; items whose
+    bytes pass HOROVOD_FUSION_BYTES together start a new group."""
+    rows = fused_rows("powersgd:warmup=0,rank=2", on_gpu=True)["allreduce"]
+    one = rows.buckets[0]
+    assert one.tail_lat == pytest.approx(6e-3) and one.latency == pytest.approx(12e-3)
+    (g,) = rows.groups
+    assert (g.latency, g.tail_lat, g.tail_s) == (pytest.approx(12e-3), pytest.approx(6e-3), pytest.approx(6e-3))
+    big = BucketCost(numel=1, wire=0, nic=0, latency=1.0, code=0, link_s=1.0, fuse="k",
+                     fuse_bytes=HOROVOD_FUSION_BYTES / 2)
+    assert [x.numel for x in fused_groups([big] * 5, 0.0, False)] == [2, 2, 1]
+    other = BucketCost(**{**big.__dict__, "fuse": "other"})
+    assert [x.numel for x in fused_groups([big, other, big], 0.0, False)] == [1, 1, 1]
 
 
 @pytest.mark.parametrize("cluster", ["p3-v100-25gbe", "pcie-consumer-10gbe", "dgx-a100"])
@@ -312,7 +354,7 @@ def test_on_a_cpu_horovods_float16_casts_delay_backward_not_the_link():
     for on_cpu in (True, False):
         c = Cluster(1, 2, link, link, codec={"fp16": 2e8}, codec_on_compute=on_cpu)  # 5 ms a pass, 10 ms a tensor
         row = next(r for r in horovod_rows(shapes, 0.3, c) if r.label == "horovod fp16")
-        groups[on_cpu], steps[on_cpu] = [b.numel for b in row.buckets], row.step_s
+        groups[on_cpu], steps[on_cpu] = [g.numel for g in row.groups], row.step_s
     assert groups[True] == groups[False] == [10 ** 6] * 10   # 30 and 20 ms apart: each goes alone
     assert steps[True] == pytest.approx(0.3 + 10 * 0.01 + 0.5e-3)   # backward took the casts too
     assert steps[False] == pytest.approx(0.3 + 0.01 + 0.5e-3)       # only the last tensor's after it
