@@ -505,9 +505,15 @@ def later_round_bytes(comp: Compressor, shapes: Sequence[tuple]) -> float:
 
 def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Sequence[tuple]],
                 c: Cluster) -> List[BucketCost]:
-    costs = []
+    """Each bucket's cost on ``route``; buckets of the same shapes (a model's repeated layers) cost the same."""
+    costs: List[BucketCost] = []
     parts = c.nodes if route.startswith("node:") else c.size
+    seen: Dict[tuple, BucketCost] = {}
     for shapes in buckets:
+        key = tuple(tuple(s) for s in shapes)
+        if key in seen:
+            costs.append(seen[key])
+            continue
         n = numel_of(shapes)
         payload = payload_bytes(comp, shapes, route, parts, c.local)
         # one pass over the bucket: its calls each at its own size (codec_calls)
@@ -520,6 +526,7 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
             costs.append(flat_cost(route, n, payload, enc, dec, c, sizes_known(comp, shapes, route, parts),
                                    rounds, later, f"{route}/{comp.wire_dtype or torch.float32}",
                                    half_sum_collectives(comp, route, n, c)))
+        seen[key] = costs[-1]
     return costs
 
 
