@@ -144,8 +144,9 @@ def auto_row(shapes: Sequence[tuple], compute_s: float, c: Cluster, bucket_bytes
     candidates = [s for i, s in enumerate(auto.candidate_specs) if auto.allowed(i)]
     per_cand = []
     for spec in candidates:
+        # the route by every bucket's own cost, as the job's route choice prices it (unaware of fusion)
         best = min((r for r in codec_rows(spec, shapes, compute_s, c, bucket_bytes, optimizer)),
-                   key=lambda r: r.exchange_s)
+                   key=lambda r: sum(b.seconds for b in r.buckets))
         per_cand.append(best)
     nb = len(per_cand[0].buckets)
     slack = AUTO_OPTIONS["slack"].default

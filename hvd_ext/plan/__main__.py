@@ -41,7 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--intra-gbps", type=float, default=None, help="intra-node bandwidth, Gbit/s")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help="hvd_ext specs to predict")
     p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2 ** 20,
-                   help="the optimizer's bucket_bytes, MiB (a larger bucket pays each collective's latency less often)")
+                   help="the optimizer's bucket_bytes, MiB (a larger bucket pays the latency of the collectives "
+                        "Horovod does not fuse, alltoalls, less often)")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "none"],
                    help="the job's optimizer (sgd: with momentum): some codecs' routes depend on it")
     p.add_argument("--calibration", default=None, help="a file --measure wrote: its links and codec speeds")

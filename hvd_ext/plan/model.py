@@ -114,7 +114,7 @@ class BucketCost:
     tail_s: float = 0.0  # the part of link_s that starts only once backward is over (later rounds)
     tail_lat: float = 0.0  # the part of latency in tail_s
     fuse: Optional[str] = None  # Horovod fuses its collective with the next ones of this key (None: never)
-    fuse_bytes: float = 0.0     # the bytes that counts against HOROVOD_FUSION_BYTES
+    fuse_bytes: float = 0.0     # the bytes it counts against HOROVOD_FUSION_BYTES
 
     @property
     def seconds(self) -> float:
@@ -165,13 +165,14 @@ def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: 
     once backward is over (:mod:`hvd_ext.exchange.routes.allreduce`), carrying ``later`` of the
     ``payload`` bytes (``Compressor.round_bytes``): both are the bucket's ``tail_s``. ``collectives``:
     one round's collectives where they are not the route's own (hvd_ext's half-precision sum:
-    :func:`half_sum_collectives`), each N-1 messages. ``fuse``: the key under which Horovod fuses an
-    allreduce or a gather of known sizes with the next ones (:func:`fused_groups`)."""
+    :func:`half_sum_collectives`), each N-1 messages. ``fuse``: the dtype of the first collective, if
+    Horovod may fuse it with the next ones (an allreduce or a gather of known sizes, :func:`fused_groups`)."""
     N, L = c.size, c.local
     wire, code = cost.route_wire_and_code(kind, N, payload, enc, dec)
     base = "twophase" if kind == "sparse_rs" else kind
     messages = cost.per_rank(base, numel, payload, N)["messages"]
-    nic = wire if (c.nodes == 1 or kind == "allreduce") else L * wire * (N - L) / (N - 1)
+    ring = kind == "allreduce" and not collectives  # a ring crosses the node's NIC once per direction
+    nic = wire if (c.nodes == 1 or ring) else L * wire * (N - L) / (N - 1)
     link = c.link()
     kinds = (collectives or route_collectives(kind, sizes_known)) * rounds
     if collectives:
@@ -186,9 +187,11 @@ def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: 
     link_s = lat + nic / link.bandwidth
     tail_lat = tail
     tail += nic * later / payload / link.bandwidth if payload > 0 else 0.0
-    fused_kind = kinds[0] in ("allreduce", "allgather")  # Horovod fuses these, not an alltoall
-    return BucketCost(numel, wire, nic, lat, code, link_s, min(tail, link_s), min(tail_lat, link_s),
-                      fuse if fused_kind else None, (payload if kinds[0] == "allreduce" else N * payload))
+    # Horovod fuses an allreduce (its first round's bytes) or an allgather (its output), not an alltoall
+    first = kinds[0]
+    key = f"{first}/{fuse}" if fuse and first in ("allreduce", "allgather") else None
+    return BucketCost(numel, wire, nic, lat, code, link_s, min(tail, link_s), min(tail_lat, link_s), key,
+                      payload - later if first == "allreduce" else N * payload)
 
 
 def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
@@ -211,7 +214,8 @@ def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: flo
     wire, code = cost.route_wire_and_code(inner, M, payload / L, enc / L, dec / L)
     nic = L * wire
     link_s = intra_lat + intra_wire / c.intra.bandwidth + lat + nic / c.inter.bandwidth
-    return BucketCost(numel, intra_wire + wire, nic, intra_lat + lat, code, link_s, fuse=fuse, fuse_bytes=D)
+    return BucketCost(numel, intra_wire + wire, nic, intra_lat + lat, code, link_s,
+                      fuse=f"allreduce/{fuse}" if fuse else None, fuse_bytes=D)
 
 
 @dataclass
@@ -293,10 +297,11 @@ def fused_groups(costs: Sequence[BucketCost], compute_s: float, codec_on_compute
     in order, in proportion to their size (on a CPU each one's codec seconds on the compute core after
     it); every cycle Horovod's background thread takes the collectives released so far, up to the
     fusion threshold, into one: consecutive ones with the same ``fuse`` key (an allreduce of one dtype;
-    an allgather, counted at its output's bytes; never an alltoall). It takes the next group once that
-    one is done; idle, a collective half a cycle after its release on average, with what backward
-    releases meanwhile. Each group starts as :func:`step_seconds` starts it (the cycle's wait is
-    inside a measured latency)."""
+    an allgather, counted at its output's bytes; never an alltoall). Horovod also looks past one it
+    cannot fuse for more that it can; the model stops there (fewer fused: it favours Horovod's rows
+    over mixed ones). It takes the next group once that one is done; idle, a collective half a cycle
+    after its release on average, with what backward releases meanwhile. Each group starts as
+    :func:`step_seconds` starts it (the cycle's wait is inside a measured latency)."""
     forward, backward = compute_s / 3.0, 2.0 * compute_s / 3.0
     total = sum(b.numel for b in costs) or 1
     release, t = [], forward
@@ -327,11 +332,11 @@ def horovod_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster) -> List[
     for label, width, spec in (("horovod", 4.0, None), ("horovod fp16", 2.0, "fp16")):
         hc = horovod_view(c, fp16=spec is not None)
         costs = [flat_cost("allreduce", n, width * n, *[codec_seconds(spec, n, hc) if spec else 0.0] * 2, hc,
-                           fuse=f"allreduce/{label}") for n in numels]
+                           fuse=("float16" if spec else "float32")) for n in numels]
         rows.append(make_row(label, None, "allreduce", costs, compute_s, hc))
     c = dataclasses.replace(horovod_view(c), intra_lat={})  # its own groups, not hvd_ext's (not measured)
     if c.nodes > 1 and c.local > 1:
-        costs = [node_aware_cost("allreduce", n, 4.0 * n, 0.0, 0.0, c, fuse="allreduce/horovod") for n in numels]
+        costs = [node_aware_cost("allreduce", n, 4.0 * n, 0.0, 0.0, c, fuse="float32") for n in numels]
         rows.append(make_row("horovod hierarchical", None, "node:allreduce", costs, compute_s, c,
                              "HOROVOD_HIERARCHICAL_ALLREDUCE=1"))
     return rows
@@ -524,7 +529,7 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
             rounds, later = (bucket_rounds(comp, shapes, STEADY_STEP), later_round_bytes(comp, shapes)) \
                 if route == "allreduce" else (1, 0.0)
             costs.append(flat_cost(route, n, payload, enc, dec, c, sizes_known(comp, shapes, route, parts),
-                                   rounds, later, f"{route}/{comp.wire_dtype or torch.float32}",
+                                   rounds, later, str(comp.wire_dtype or torch.float32),
                                    half_sum_collectives(comp, route, n, c)))
         seen[key] = costs[-1]
     return costs
@@ -533,12 +538,14 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
 def half_sum_collectives(comp: Compressor, route: str, numel: int, c: Cluster) -> Optional[tuple]:
     """The collectives of an allreduce bucket that hvd_ext sums itself
     (:func:`hvd_ext.exchange.core.sums_half_itself`; a CPU is where the codec runs on the compute core):
-    an alltoall then an allgather, or on two ranks and a small bucket one allgather; None where the
-    transport's allreduce sums it."""
+    an alltoall then an allgather, or on one rank, or two and a small bucket, one allgather (which
+    Horovod fuses); None where the transport's allreduce sums it."""
     dtype = comp.wire_dtype or torch.float32
     if route != "allreduce" or not sums_half_itself(dtype, "cpu" if c.codec_on_compute else "cuda", c.size):
         return None
-    return ("alltoall", "allgather") if c.size > 2 or numel >= Exchange.HALF_RS_MIN else ("allgather",)
+    if c.size > 2 or (c.size == 2 and numel >= Exchange.HALF_RS_MIN):
+        return ("alltoall", "allgather")
+    return ("allgather",)
 
 
 OPTIMIZERS = ("sgd", "adam", "none")

@@ -61,11 +61,11 @@ def test_measure_with_a_model_file_times_its_step(tmp_path):
 
 def test_horovod_fuses_the_buckets_allreduces(tmp_path):
     """The planner prices hvd_ext's buckets as Horovod runs them, fused when they are ready together
-    (``hvd_ext.plan.model.fused_groups``): Horovod's timeline shows fewer allreduces than buckets."""
+    (``hvd_ext.plan.model.fused_groups``): Horovod's timeline shows them fused."""
     from conftest import launch
 
     from helpers.checks import assert_checks
 
     results = launch("bucket_fusion.py", tmp_path / "timeline.json", np=2, timeout=180)
     assert_checks(results)
-    assert results[0]["allreduces"] < results[0]["buckets"]
+    assert 0 < results[0]["fused"] <= results[0]["tensors"]

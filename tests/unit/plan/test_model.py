@@ -277,8 +277,8 @@ def test_an_allreduce_on_gpus_pays_nccls_tree_latency_across_nodes():
 
 
 def fused_rows(spec, on_gpu, size=4, compute_s=0.0):
-    """``spec``'s rows on ``size`` ranks whose link costs only its latency (1 ms a message), over ten
-    4 MB tensors in ten buckets, all released at once (``compute_s`` 0)."""
+    """``spec``'s rows on ``size`` ranks whose link costs only its latency, over ten equal tensors in ten
+    buckets, all released at once unless ``compute_s`` spreads them."""
     link = LinkModel(alpha=1e-3, bandwidth=float("inf"))
     c = Cluster(1, size, link, link, codec={spec.split(":")[0]: float("inf")}, codec_on_compute=not on_gpu,
                 allreduce_tree=on_gpu)
@@ -302,7 +302,7 @@ def test_horovod_fuses_hvd_exts_bucket_allreduces_as_its_own_tensors():
 def test_what_horovod_does_not_fuse_pays_every_buckets_latency():
     """An alltoall is never fused (the two-phase route's first collective), nor hvd_ext's own
     float16 sum on a CPU (an alltoall, then an allgather); a gather of known sizes is, at its output's
-    bytes."""
+    bytes, and so is that sum on two ranks, one allgather of a small bucket."""
     rows = fused_rows("qsgd:bits=8", on_gpu=True)
     assert len(rows["twophase"].groups) == 10
     assert len(rows["allgather"].groups) == 1
@@ -311,12 +311,14 @@ def test_what_horovod_does_not_fuse_pays_every_buckets_latency():
     cpu = fused_rows("fp16", on_gpu=False)["allreduce"]
     assert len(cpu.groups) == 10
     assert cpu.buckets[0].latency == pytest.approx(2 * 3 * 1e-3)  # an alltoall and an allgather, N-1 each
-    assert fused_rows("fp16", on_gpu=False, size=2)["allreduce"].buckets[0].latency == pytest.approx(1e-3)
+    two = fused_rows("fp16", on_gpu=False, size=2)["allreduce"]
+    assert two.buckets[0].latency == pytest.approx(1e-3) and len(two.groups) == 1
 
 
 def test_a_fused_group_pays_each_rounds_latency_once_and_stops_at_the_threshold():
     """PowerSGD's two rounds: a group pays the first round's latency and the second's once; items whose
-    bytes pass HOROVOD_FUSION_BYTES together start a new group."""
+    bytes pass HOROVOD_FUSION_BYTES together start a new group, and so does another key (the model does
+    not look past it, as Horovod can)."""
     rows = fused_rows("powersgd:warmup=0,rank=2", on_gpu=True)["allreduce"]
     one = rows.buckets[0]
     assert one.tail_lat == pytest.approx(6e-3) and one.latency == pytest.approx(12e-3)
@@ -326,7 +328,23 @@ def test_a_fused_group_pays_each_rounds_latency_once_and_stops_at_the_threshold(
                      fuse_bytes=HOROVOD_FUSION_BYTES / 2)
     assert [x.numel for x in fused_groups([big] * 5, 0.0, False)] == [2, 2, 1]
     other = BucketCost(**{**big.__dict__, "fuse": "other"})
-    assert [x.numel for x in fused_groups([big, other, big], 0.0, False)] == [1, 1, 1]
+    assert [x.numel for x in fused_groups([big, other, other], 0.0, False)] == [1, 2]
+
+
+def test_a_larger_bucket_pays_the_latency_of_the_unfused_alltoalls_fewer_times():
+    """``bucket_bytes`` is the optimizer's: the planner lays out buckets of that size. Where the latency
+    per collective decides (a thousand GPUs), fewer buckets speed up a route that starts with an
+    alltoall, which Horovod does not fuse; an allreduce route's buckets Horovod fuses either way."""
+    kw = dict(cluster="p3-v100-25gbe", nodes=128, methods=["fp16", "topk:ratio=0.01"], breakeven_search=False)
+    small, large = plan("bert-large", **kw), plan("bert-large", bucket_bytes=128 * 2 ** 20, **kw)
+    a, b = small.row("topk:ratio=0.01", "node:sparse_rs"), large.row("topk:ratio=0.01", "node:sparse_rs")
+    assert len(b.buckets) < len(a.buckets) and len(a.groups) == len(a.buckets)  # none fused
+    assert b.wire == pytest.approx(a.wire, rel=1e-3)  # about the same bytes ...
+    assert sum(g.latency for g in b.groups) < sum(g.latency for g in a.groups) / 5  # ... in fewer collectives
+    assert b.step_s < a.step_s
+    f_small, f_large = small.row("fp16", "allreduce"), large.row("fp16", "allreduce")
+    assert len(f_small.groups) < len(f_small.buckets) / 5  # fused
+    assert sum(g.latency for g in f_small.groups) < 2 * sum(g.latency for g in f_large.groups)
 
 
 @pytest.mark.parametrize("cluster", ["p3-v100-25gbe", "pcie-consumer-10gbe", "dgx-a100"])
