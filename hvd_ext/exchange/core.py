@@ -103,6 +103,14 @@ def sums_half_itself(dtype: torch.dtype, device_type: str, size: int) -> bool:
     return dtype == torch.bfloat16 or (dtype == torch.float16 and device_type == "cpu" and size > 1)
 
 
+def half_sum_kinds(size: int, numel: int) -> tuple:
+    """The collectives of that sum over ``size`` ranks of a ``numel``-element buffer: one allgather on
+    one rank, or two and fewer than ``Exchange.HALF_RS_MIN`` elements; else an alltoall, then an allgather."""
+    if size == 1 or (size == 2 and numel < Exchange.HALF_RS_MIN):
+        return ("allgather",)
+    return ("alltoall", "allgather")
+
+
 def _op_name(op) -> str:
     if op is None:
         return "average"
@@ -420,7 +428,7 @@ class Exchange:
 
     def _start_half_sum(self, flat: torch.Tensor, name: str) -> Pending:
         N, n = self.size, flat.numel()
-        if N == 1 or (N == 2 and n < self.HALF_RS_MIN):
+        if half_sum_kinds(N, n) == ("allgather",):
             return Pending("half-ag", [self.transport.allgather_equal_async(self._wire(flat), f"{name}.ag")],
                            (n, flat.dtype))
         splits = [n // N + (1 if j < n % N else 0) for j in range(N)]

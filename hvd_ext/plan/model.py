@@ -34,7 +34,7 @@ import torch
 
 from ..compression.base import Compressor, TensorInfo
 from ..exchange import cost
-from ..exchange.core import Exchange, frame_size, sums_half_itself
+from ..exchange.core import frame_size, half_sum_kinds, sums_half_itself
 from ..exchange.routes import (codec_node_aware_reason, estimated_bucket_bytes, estimated_payload_bytes,
                                route_payload)
 from ..exchange.routes.allreduce import bucket_rounds
@@ -543,9 +543,7 @@ def half_sum_collectives(comp: Compressor, route: str, numel: int, c: Cluster) -
     dtype = comp.wire_dtype or torch.float32
     if route != "allreduce" or not sums_half_itself(dtype, "cpu" if c.codec_on_compute else "cuda", c.size):
         return None
-    if c.size > 2 or (c.size == 2 and numel >= Exchange.HALF_RS_MIN):
-        return ("alltoall", "allgather")
-    return ("allgather",)
+    return half_sum_kinds(c.size, numel)
 
 
 OPTIMIZERS = ("sgd", "adam", "none")
