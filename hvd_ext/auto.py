@@ -49,6 +49,7 @@ Spec: ``auto:every=1000,warmup=5,accuracy=strict,bound=0.5,candidates=none,fp16,
 """
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -62,7 +63,9 @@ from .compression.base import Compressor, Continue, TensorInfo
 from .compression.common import COMMON_ALIASES, COMMON_OPTIONS
 from .exchange import calibration, cost
 from .exchange.probe import best_time
-from .exchange.routes import TensorRecord, choose_route, flat_record, priced_as_pairs, route_payload
+from .exchange.core import half_sum_kinds, sums_half_itself
+from .exchange.routes import (TensorRecord, flat_record, flat_routes, priced_as_pairs, route_options, route_payload,
+                              sizes_known)
 from .exchange.routes.allreduce import bucket_rounds
 from .ops.device import Timer
 from .options import Option, resolve_options
@@ -73,7 +76,7 @@ DEFAULT_CANDIDATES = ("none", "fp16", "qsgd:bits=8", "topk:ratio=0.03")
 _PROBE_SMALL = 256                 # floats
 _PROBE_LARGE = 256 * 1024          # floats (1 MB)
 _PROBE_ENOUGH = 10.0  # one large probe suffices once it takes this x the small one (bandwidth-bound)
-_COLLECTIVES = {"allreduce": 1, "allgather": 1, "twophase": 2, "sparse_rs": 2}
+_NODE_COLLECTIVES = 2  # a node-aware route: priced as two collectives at the flat probe's latency
 _CUT = 1.3      # a trial contender this x (1 + slack) slower than the shortest so far stops early
 _ROUNDS = 2     # a trial's contenders take turns in this many rounds (ABC CBA)
 
@@ -99,6 +102,16 @@ AUTO_OPTIONS = {
     "trial": Option(int, 20, "int >= 0", lambda v: v >= 0,
                     help="exchanges each contender runs when the model cannot separate them (0: trust the model)"),
 }
+
+
+def fastest_candidate(times: Sequence[float], dense: int) -> int:
+    """The fastest candidate for one bucket, the ``dense`` one unless another is more than 0.1% faster
+    (a near tie stays dense): ``auto``'s, and the planner's."""
+    best = dense
+    for ci, t in enumerate(times):
+        if t < times[best] * (1 - 1e-3):
+            best = ci
+    return best
 
 
 def most_accurate_within(times: Sequence[float], fastest: int, allowance: float) -> int:
@@ -379,10 +392,12 @@ class AutoTuner(Policy):
 
     def _probe_link(self) -> Dict[str, float]:
         N = self.pipe.size
-        given = calibration.flat_link(calibration.from_env(), N)
+        cal = calibration.from_env()
+        given = calibration.flat_link(cal, N)
         if given is not None:  # HVD_EXT_CALIBRATION: the link python -m hvd_ext.plan --measure found
             wire = cost.allreduce_wire(4.0 * (_PROBE_LARGE - _PROBE_SMALL), N)
-            return {"lat": given["lat"], "large": given["lat"] + wire / given["bandwidth"], "wire": wire}
+            return {"lat": given["lat"], "large": given["lat"] + wire / given["bandwidth"], "wire": wire,
+                    "by_kind": calibration.collective_latencies(cal, N)}
 
         dev = self.pipe.buckets[0].params[0].device if self.pipe.buckets else "cpu"  # the gradients' link
         small, large = torch.zeros(_PROBE_SMALL, device=dev), torch.zeros(_PROBE_LARGE, device=dev)
@@ -459,13 +474,35 @@ class AutoTuner(Policy):
         return outs, enc, dec, float(nbytes)
 
     # ---- deciding --------------------------------------------------------------------------
-    def predict(self, kind: str, numel: int, payload: float, enc: float, dec: float, rounds: int = 1) -> float:
-        """A bucket's exchange seconds on route ``kind``; ``rounds``: the allreduce rounds its codec
-        takes at the pipeline's step (:func:`hvd_ext.exchange.routes.allreduce.bucket_rounds`: one in
-        a codec's warm-up, where the planner prices the steady state), each a collective."""
+    def predict(self, kind: str, numel: int, payload: float, enc: float, dec: float, rounds: int = 1,
+                collectives: Optional[tuple] = None) -> float:
+        """A bucket's exchange seconds on route ``kind``, as the planner prices a flat route
+        (:func:`hvd_ext.plan.model.flat_cost` on one node): its ``collectives`` one after another
+        (:func:`hvd_ext.exchange.cost.collective_seconds`; by default the route's, ``rounds`` times:
+        the allreduce rounds its codec takes at the pipeline's step,
+        :func:`hvd_ext.exchange.routes.allreduce.bucket_rounds`), the wire bytes over the link and the
+        codec passes (:func:`hvd_ext.exchange.cost.route_wire_and_code`). Each collective costs what a
+        calibration file timed for it, else the probe's allreduce latency."""
         wire, code = cost.route_wire_and_code(kind, self.pipe.size, payload, enc, dec)
         link_s = wire / self.link["bw"] if wire > 0 else 0.0   # one rank (elastic at size 1): nothing on the wire
-        return _COLLECTIVES.get(kind, 2) * rounds * self.link["lat"] + link_s + code
+        if kind not in cost.ROUTE_COLLECTIVES:  # node-aware
+            return _NODE_COLLECTIVES * self.link["lat"] + link_s + code
+        kinds = collectives or cost.route_collectives(kind) * rounds
+        first, then = self.link.get("by_kind") or ({k: self.link["lat"] for k in calibration.COLLECTIVES}, {})
+        return cost.collective_seconds(kinds, first, then) + link_s + code
+
+    def collectives(self, c: Compressor, kind: str, shapes: Sequence[torch.Size], device: torch.device) -> tuple:
+        """The collectives of a bucket of ``shapes`` coded by ``c`` on the flat route ``kind`` at the
+        pipeline's step: the route's (a gather of sizes the receivers cannot know is an alltoall,
+        :func:`hvd_ext.exchange.routes.sizes_known`), each allreduce round, or the alltoall and
+        allgather of a half-precision sum the exchange does itself (:func:`hvd_ext.exchange.core.sums_half_itself`)."""
+        pipe = self.pipe
+        if kind == "allreduce":
+            dtype = c.wire_dtype or torch.float32
+            if sums_half_itself(dtype, device.type, pipe.size):
+                return half_sum_kinds(pipe.size, sum(math.prod(s) for s in shapes))
+            return cost.route_collectives(kind) * bucket_rounds(c, shapes, pipe.step)
+        return cost.route_collectives(kind, sizes_known(c, [tuple(s) for s in shapes], kind, pipe.size, pipe.step))
 
     def evaluate(self, reason: str) -> None:
         """One decision: measure (link, codecs, compute: the ranks' mean) -> predict every candidate on
@@ -509,7 +546,7 @@ class AutoTuner(Policy):
         if guard:
             self.guard.decide(mean[len(mean) - len(qs):], len(pipe.buckets))
         lat, large = mean[0], mean[1]
-        self.link = {"lat": lat, "bw": probe["wire"] / max(large - lat, 1e-6)}
+        self.link = {"lat": lat, "bw": probe["wire"] / max(large - lat, 1e-6), "by_kind": probe.get("by_kind")}
         n = len(cands)
         codec = [[tuple(mean[4 + 3 * (bi * n + ci): 7 + 3 * (bi * n + ci)]) for ci in range(n)]
                  for bi in range(len(pipe.buckets))]
@@ -523,18 +560,11 @@ class AutoTuner(Policy):
         for b, row in zip(pipe.buckets, m.codec):
             numel = sum(p.numel() for p in b.params)
             times, kinds, per = [], [], {}
-            for ci, (c, (enc, dec, nbytes)) in enumerate(zip(cands, row)):
-                # the route by the cost model with this job's measured link and codec speed (across
-                # nodes: the node links the exchange measured once, Exchange.node_model)
-                link = cost.LinkModel(alpha=m.lat, bandwidth=m.bw, codec=numel / max(enc + dec, 1e-9))
-                kind = choose_route(c, c.route, [p.numel() for p in b.params], pipe.size, link=link,
-                                    exchange=pipe.exchange, codec=link.codec, device=b.params[0].device)
+            for ci, (c, measured) in enumerate(zip(cands, row)):
+                kind, t = self._route(c, b, numel, *measured, m)
                 kinds.append(kind)
-                if kind == "sparse_rs" and priced_as_pairs(c):  # its pairs travel, not the codec's payload
-                    nbytes = route_payload(c, kind, [p.numel() for p in b.params], pipe.size)  # (as the planner)
-                rounds = bucket_rounds(c, [p.shape for p in b.params], pipe.step) if kind == "allreduce" else 1
-                times.append(self.predict(kind, numel, nbytes, enc, dec, rounds))
-                per[self.auto.candidate_specs[ci]] = round(times[-1] * 1e3, 4)
+                times.append(t)
+                per[self.auto.candidate_specs[ci]] = round(t * 1e3, 4)
             forecasts.append(Forecast(numel=numel, times=times, routes=kinds))
             table.append(per)
         self._calibrate(m.ran, [f.times[self.choice[b.index]] for b, f in zip(pipe.buckets, forecasts)])
@@ -542,12 +572,32 @@ class AutoTuner(Policy):
         for i, f in enumerate(forecasts):
             f.times = [t * k if self.eligible(i, ci) else float("inf")
                        for ci, (t, k) in enumerate(zip(f.times, factor))]
-            best = self.dense_index(self.auto)  # the fastest (the first of near ties)
-            for ci, t in enumerate(f.times):
-                if t < f.times[best] * (1 - 1e-3):
-                    best = ci
-            f.fastest = best
+            f.fastest = fastest_candidate(f.times, self.dense_index(self.auto))
         return forecasts, table
+
+    def _route(self, c: Compressor, b, numel: int, enc: float, dec: float, nbytes: float,
+               m: Measurement) -> Tuple[str, float]:
+        """Candidate ``c``'s route on bucket ``b`` and its predicted seconds there: of the flat routes
+        it may take (:func:`hvd_ext.exchange.routes.flat_routes`), the one :meth:`predict` finds
+        fastest, as the planner's ``auto`` row takes it (:func:`hvd_ext.plan.auto_row`); across nodes
+        the node-aware one instead where the exchange's node model finds it faster
+        (:func:`hvd_ext.exchange.routes.route_options`, with the node links the exchange measured once)."""
+        pipe = self.pipe
+        numels, shapes, dev = [p.numel() for p in b.params], [p.shape for p in b.params], b.params[0].device
+        link = cost.LinkModel(alpha=m.lat, bandwidth=m.bw, codec=numel / max(enc + dec, 1e-9))
+        opts = route_options(c, c.route, numels, pipe.size, link=link, exchange=pipe.exchange, codec=link.codec,
+                             device=dev)
+        if opts["node"] is not None and opts["node_s"] < opts["flat_s"]:
+            return opts["node"], self.predict(opts["node"], numel, nbytes, enc, dec)
+        flat = flat_routes(c) if pipe.size > 1 else ["allreduce" if c.collective == "allreduce" else "allgather"]
+        best = None
+        for kind in flat:
+            # the sparse reduce-scatter sends its pairs, not the codec's payload (as the planner prices it)
+            pay = route_payload(c, kind, numels, pipe.size) if kind == "sparse_rs" and priced_as_pairs(c) else nbytes
+            t = self.predict(kind, numel, pay, enc, dec, collectives=self.collectives(c, kind, shapes, dev))
+            if best is None or t < best[1] - 1e-15:
+                best = (kind, t)
+        return best
 
     def _choose(self, forecasts: List[Forecast], compute: float) -> Tuple[List[int], List[str], float]:
         """Per bucket the most accurate candidate within ``slack`` of the predicted step (candidates are

@@ -20,16 +20,16 @@ Format (JSON)::
      "compile_min": elements,  # a CPU, where calls of compile_min elements or more run compiled
      "compute_s": optional seconds of one step's forward + backward}
 
-Set ``HVD_EXT_CALIBRATION=path`` for a job: ``auto`` then takes the flat link from the file instead
-of probing it (when the file's rank count is the job's), and the node-aware route choice takes the
-intra / inter links from it instead of measuring them. Codec times ``auto`` still measures on the
-job's own buckets.
+Set ``HVD_EXT_CALIBRATION=path`` for a job: ``auto`` then takes the flat link and each collective's
+fixed cost (:func:`collective_latencies`) from the file instead of probing them (when the file's
+rank count is the job's), and the node-aware route choice takes the intra / inter links from it
+instead of measuring them. Codec times ``auto`` still measures on the job's own buckets.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .cost import LinkModel, NodeModel
 
@@ -108,3 +108,21 @@ def flat_link(cal: Optional[Dict[str, Any]], ranks: int) -> Optional[Dict[str, f
         return None
     flat = cal["links"]["flat"]
     return {"lat": flat["lat"], "bandwidth": flat["bandwidth"]}
+
+
+def collective_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optional[int] = None,
+                         local: Optional[int] = None) -> Optional[Tuple[Dict[str, float], Dict[str, float]]]:
+    """``(first, then)``: the fixed seconds of each collective over this world, as a bucket's first
+    one pays it (inside a step, waiting for the slowest rank: ``busy_lat_by_kind`` where timed, else
+    ``lat_by_kind``) and as a later one does (the ranks together: ``lat_by_kind``), if ``cal`` timed
+    them on a world of ``ranks`` (of ``nodes`` x ``local``, where given); else None. The planner and
+    ``compression="auto"`` both price a bucket's collectives with these
+    (:func:`hvd_ext.exchange.cost.collective_seconds`)."""
+    if not cal or int(cal.get("ranks", -1)) != ranks:
+        return None
+    if nodes is not None and (cal.get("nodes"), cal.get("local")) != (nodes, local):
+        return None
+    flat = cal.get("links", {}).get("flat", {})
+    then = dict(flat.get("lat_by_kind") or {})
+    first = {**then, **(flat.get("busy_lat_by_kind") or {})}
+    return (first, then) if first else None

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Sequence
 
 
 def allreduce_wire(nbytes: float, n: int) -> float:
@@ -94,6 +94,27 @@ def route_wire_and_code(kind: str, size: int, payload: float, enc: float, dec: f
     if kind == "allgather":
         return (N - 1) * payload, enc + N * dec
     return 2.0 * (N - 1) / N * payload, 2.0 * (enc + dec)
+
+
+# the collectives each route runs per bucket: a gather of payloads whose sizes the receivers cannot know
+# travels by an alltoall (:meth:`hvd_ext.exchange.core.Exchange.start_allgather`), as the sparse
+# reduce-scatter's second phase always does
+ROUTE_COLLECTIVES = {"allreduce": ("allreduce",), "allgather": ("allgather",),
+                     "twophase": ("alltoall", "allgather"), "sparse_rs": ("alltoall", "alltoall")}
+
+
+def route_collectives(kind: str, sizes_known: bool = True) -> tuple:
+    """The collectives of ``kind`` per bucket; an allgather of unknown sizes is an alltoall."""
+    kinds = ROUTE_COLLECTIVES[kind]
+    return kinds if sizes_known else tuple("alltoall" if k == "allgather" else k for k in kinds)
+
+
+def collective_seconds(kinds: Sequence[str], first: Dict[str, float], then: Dict[str, float]) -> float:
+    """The fixed seconds of one bucket's collectives ``kinds``, run one after another: the first at
+    its cost inside a step (``first``: it waits for the slowest rank's backward), each later one at
+    its cost with the ranks together (``then``: every rank has just waited for the one before;
+    ``first`` where not measured). ``compression="auto"`` and the planner both price with it."""
+    return sum((first if i == 0 else then).get(k, first[k]) for i, k in enumerate(kinds))
 
 
 def per_rank(exchange: str, n_elems: int, compressed_bytes: float, size: int) -> Dict[str, float]:

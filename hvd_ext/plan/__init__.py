@@ -19,7 +19,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
-from ..auto import AUTO_OPTIONS, DEFAULT_CANDIDATES, AutoCompression, most_accurate_within
+from ..auto import (AUTO_OPTIONS, DEFAULT_CANDIDATES, AutoCompression, AutoTuner, fastest_candidate,
+                    most_accurate_within)
+from ..exchange import calibration as cal_file
 from ..exchange import cost
 from ..optimizer import DEFAULT_BUCKET_BYTES
 from ..spec import compression_from_spec
@@ -136,30 +138,31 @@ def auto_row(shapes: Sequence[tuple], compute_s: float, c: Cluster, bucket_bytes
              candidates: Sequence[str] = DEFAULT_CANDIDATES, optimizer: str = "sgd") -> tuple:
     """What ``auto`` would pick per bucket: each candidate it allows under ``optimizer`` (as
     :meth:`hvd_ext.auto.AutoCompression.allowed`: no memory under a live second moment, no codec that
-    compresses the momentum under momentum SGD) on its fastest route, then the most accurate within
+    compresses the momentum under momentum SGD) on each bucket's fastest route, then the most accurate within
     ``slack`` of the fastest's share of the step (the rule of :meth:`hvd_ext.auto.AutoTuner._choose`).
     Assumes every allowed candidate passes the accuracy guard (that verdict depends on the gradients)."""
     auto = AutoCompression([(s, compression_from_spec(s)) for s in candidates])
     bind_like(auto, optimizer)
-    candidates = [s for i, s in enumerate(auto.candidate_specs) if auto.allowed(i)]
+    # per candidate and bucket: (route, cost) by the bucket's own cost (unaware of fusion), as the job's
+    # auto takes its route (hvd_ext.auto.AutoTuner._route), the first listed on ties; none where not allowed
     per_cand = []
-    for spec in candidates:
-        # the route by every bucket's own cost, as the job's route choice prices it (unaware of fusion)
-        best = min((r for r in codec_rows(spec, shapes, compute_s, c, bucket_bytes, optimizer)),
-                   key=lambda r: sum(b.seconds for b in r.buckets))
-        per_cand.append(best)
-    nb = len(per_cand[0].buckets)
+    for i, spec in enumerate(auto.candidate_specs):
+        rows = codec_rows(spec, shapes, compute_s, c, bucket_bytes, optimizer) if auto.allowed(i) else []
+        per_cand.append([min(((r.route, r.buckets[b]) for r in rows), key=lambda rb: rb[1].seconds)
+                         for b in range(len(rows[0].buckets))] if rows else None)
+    some = next(cand for cand in per_cand if cand is not None)
+    secs = [[math.inf if cand is None else cand[b][1].seconds for cand in per_cand] for b in range(len(some))]
+    dense = AutoTuner.dense_index(auto)
+    fastest = [fastest_candidate(times, dense) for times in secs]
+    total = sum(b.numel for _, b in some) or 1
+    step = compute_s + sum(times[f] for times, f in zip(secs, fastest))
     slack = AUTO_OPTIONS["slack"].default
-    total = sum(per_cand[0].buckets[i].numel for i in range(nb)) or 1
-    fastest_sum = sum(min(r.buckets[i].seconds for r in per_cand) for i in range(nb))
-    step = compute_s + fastest_sum
     chosen, picks = [], {}
-    for i in range(nb):
-        times = [r.buckets[i].seconds for r in per_cand]
-        fastest = min(range(len(times)), key=lambda k: (times[k], k))
-        k = most_accurate_within(times, fastest, slack * step * per_cand[0].buckets[i].numel / total)
-        chosen.append(per_cand[k].buckets[i])
-        label = f"{candidates[k]} ({per_cand[k].route})"
+    for b, (times, f) in enumerate(zip(secs, fastest)):
+        k = most_accurate_within(times, f, slack * step * some[b][1].numel / total)
+        route, cost_b = per_cand[k][b]
+        chosen.append(cost_b)
+        label = f"{auto.candidate_specs[k]} ({route})"
         picks[label] = picks.get(label, 0) + 1
     note = "; ".join(f"{k}: {v} bucket{'s' * (v > 1)}" for k, v in picks.items())
     return make_row("auto", "auto", "per bucket", chosen, compute_s, c, note), picks
@@ -215,7 +218,7 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
     same_world = (nodes, local) == ((calibration or {}).get("nodes"), (calibration or {}).get("local"))
     flat = links.get("flat", {})
     # measured for this world only; inside a step (after compute) where the calibration timed it there
-    lat = dict(flat.get("busy_lat_by_kind") or flat.get("lat_by_kind") or {}) if same_world else {}
+    lat, idle = cal_file.collective_latencies(calibration, nodes * local, nodes, local) or ({}, {})
     hv = links.get("horovod") if same_world and "bandwidth" in flat else None
     hv_lat = (hv.get("busy_lat_by_kind") or hv.get("lat_by_kind") or {}).get("allreduce", hv["lat"]) if hv else None
     base = hv or flat  # Horovod's float32 allreduce, against which its float16 one is measured
@@ -224,7 +227,7 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
     return Cluster(nodes, local, intra, inter, codec, codec_on_compute=device == "cpu", allreduce_tree=device != "cpu",
                    codec_fixed=fixed,
                    codec_compiled=compiled, compile_min=(calibration or {}).get("compile_min") if compiled else None,
-                   collective_lat=lat, idle_lat=dict(flat.get("lat_by_kind") or {}) if same_world else {},
+                   collective_lat=lat, idle_lat=idle,
                    horovod_lat=hv_lat,
                    horovod_slowdown=flat["bandwidth"] / hv["bandwidth"] if hv else 1.0,
                    horovod_fp16_slowdown=base["bandwidth"] / h16["bandwidth"] if h16 else 1.0,

@@ -35,8 +35,9 @@ import torch
 from ..compression.base import Compressor, TensorInfo
 from ..exchange import cost
 from ..exchange.core import frame_size, half_sum_kinds, sums_half_itself
-from ..exchange.routes import (codec_node_aware_reason, estimated_bucket_bytes, estimated_payload_bytes,
-                               route_payload)
+from ..exchange.routes import (STEADY_STEP, codec_node_aware_reason, estimated_bucket_bytes,
+                               estimated_payload_bytes, flat_routes, gathered_sizes, recoded_size, route_payload,
+                               sizes_known)
 from ..exchange.routes.allreduce import bucket_rounds
 from ..exchange.routes.base import segments, sends_flat
 from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
@@ -45,19 +46,6 @@ from ..spec import compression_from_spec
 # Horovod's defaults since 0.21 (its changelog; `horovodrun --help` of 0.28.1 says the same)
 HOROVOD_FUSION_BYTES = 128 * 1024 * 1024  # HOROVOD_FUSION_THRESHOLD
 HOROVOD_CYCLE_S = 1e-3                     # HOROVOD_CYCLE_TIME
-# the collectives each route runs per bucket: a gather of payloads whose sizes the receivers cannot know
-# travels by an alltoall (:meth:`hvd_ext.exchange.core.Exchange.start_allgather`), as the sparse
-# reduce-scatter's second phase always does
-ROUTE_COLLECTIVES = {"allreduce": ("allreduce",), "allgather": ("allgather",),
-                     "twophase": ("alltoall", "allgather"), "sparse_rs": ("alltoall", "alltoall")}
-
-
-def route_collectives(kind: str, sizes_known: bool = True) -> tuple:
-    """The collectives of ``kind`` per bucket; an allgather of unknown sizes is an alltoall."""
-    kinds = ROUTE_COLLECTIVES[kind]
-    return kinds if sizes_known else tuple("alltoall" if k == "allgather" else k for k in kinds)
-
-
 @dataclass
 class Cluster:
     """``nodes`` x ``local`` ranks; ``intra`` / ``inter`` links (``inter`` unused on one node);
@@ -65,16 +53,16 @@ class Cluster:
     device, and ``codec_fixed`` its fixed seconds per pass; ``collective_lat``: the fixed seconds of
     one allreduce, allgather and alltoall over the whole world (both measured by a calibration: they
     replace messages x alpha on the flat routes), and ``idle_lat`` the same where the ranks start it
-    together (:func:`collective_seconds`);
+    together (:func:`hvd_ext.exchange.cost.collective_seconds`);
     ``codec_on_compute``: the codec shares the compute engine (a CPU);
     ``horovod_lat`` / ``horovod_slowdown``: where Horovod's own allreduce waits otherwise than hvd_ext's
     (ranks share cores, :mod:`hvd_ext.exchange.waiting`), its measured fixed seconds and how many times
     slower it moves bytes than the flat link (:func:`horovod_view`); ``horovod_fp16_slowdown``: how
     many times slower per byte Horovod's float16 allreduce is than its float32 one (measured);
     ``intra_lat``: the fixed seconds of each collective of a node's ranks, measured inside a step: the
-    node-aware route's first collective pays it (:func:`collective_seconds`); ``codec_compiled``: on a
-    CPU, the elements per second of a codec call of ``compile_min`` elements or more, which runs
-    compiled (``codec``: the smaller, eager ones); ``allreduce_tree``: an allreduce's latency is the
+    node-aware route's first collective pays it (:func:`hvd_ext.exchange.cost.collective_seconds`);
+    ``codec_compiled``: on a CPU, the elements per second of a codec call of ``compile_min`` elements
+    or more, which runs compiled (``codec``: the smaller, eager ones); ``allreduce_tree``: an allreduce's latency is the
     smaller of the ring's and NCCL's tree's (:func:`hvd_ext.exchange.cost.tree_allreduce_latency`)."""
 
     nodes: int
@@ -149,14 +137,6 @@ def codec_seconds(spec: str, numel: int, cluster: Cluster) -> float:
     return 0.0 if math.isinf(speed) else fixed + numel / speed
 
 
-def collective_seconds(kinds: Sequence[str], first: Dict[str, float], then: Dict[str, float]) -> float:
-    """The fixed seconds of one bucket's collectives ``kinds``, run one after another: the first at
-    its cost inside a step (``first``: it waits for the slowest rank's backward), each later one at
-    its cost with the ranks together (``then``: every rank has just waited for the one before;
-    ``first`` where not measured)."""
-    return sum((first if i == 0 else then).get(k, first[k]) for i, k in enumerate(kinds))
-
-
 def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
               sizes_known: bool = True, rounds: int = 1, later: float = 0.0, fuse: Optional[str] = None,
               collectives: Optional[tuple] = None) -> BucketCost:
@@ -174,7 +154,7 @@ def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: 
     ring = kind == "allreduce" and not collectives  # a ring crosses the node's NIC once per direction
     nic = wire if (c.nodes == 1 or ring) else L * wire * (N - L) / (N - 1)
     link = c.link()
-    kinds = (collectives or route_collectives(kind, sizes_known)) * rounds
+    kinds = (collectives or cost.route_collectives(kind, sizes_known)) * rounds
     if collectives:
         messages = (N - 1) * len(collectives)
     one = messages * link.alpha
@@ -182,8 +162,8 @@ def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: 
         one = min(one, cost.tree_allreduce_latency(c.nodes, L, c.intra.alpha, c.inter.alpha))
     lat, tail = one * rounds, one * (rounds - 1)
     if c.collective_lat:
-        lat = collective_seconds(kinds, c.collective_lat, c.idle_lat)
-        tail = lat - collective_seconds(kinds[:len(kinds) // rounds], c.collective_lat, c.idle_lat)
+        lat = cost.collective_seconds(kinds, c.collective_lat, c.idle_lat)
+        tail = lat - cost.collective_seconds(kinds[:len(kinds) // rounds], c.collective_lat, c.idle_lat)
     link_s = lat + nic / link.bandwidth
     tail_lat = tail
     tail += nic * later / payload / link.bandwidth if payload > 0 else 0.0
@@ -345,12 +325,7 @@ def horovod_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster) -> List[
 def codec_routes(comp: Compressor, c: Cluster) -> List[str]:
     """The routes ``comp`` can take on this cluster: its flat ones, and the node-aware ones where
     the exchange could carry it (:func:`hvd_ext.exchange.routes.codec_node_aware_reason`)."""
-    if comp.collective == "allreduce":
-        flat = ["allreduce"]
-    else:
-        flat = ["allgather", "sparse_rs" if comp.sparse else "twophase"]
-    if comp.route in ("allgather", "twophase"):
-        flat = [r for r in flat if (r == "allgather") == (comp.route == "allgather")]
+    flat = flat_routes(comp)
     node_ok = c.nodes > 1 and c.local > 1 and codec_node_aware_reason(comp) is None
     return flat + (["node:" + r for r in flat] if node_ok else [])
 
@@ -364,47 +339,6 @@ def tensor_payload(comp: Compressor, shape: tuple) -> float:
     if comp.collective == "allreduce":
         return float(comp.wire_bytes(n) or n * (comp.wire_dtype.itemsize if comp.wire_dtype is not None else 4))
     return float(estimated_payload_bytes(comp, n))
-
-
-STEADY_STEP = 10 ** 9  # a step past every codec's warm-up: the planner prices the steady state
-
-
-def gathered_sizes(comp: Compressor, shapes: Sequence[tuple]) -> Optional[List[int]]:
-    """The payload sizes an allgather of a bucket of ``shapes`` carries when every rank knows them
-    from the shapes (``Compressor.payload_size``, as the route asks it: one flat record for a
-    ``bucket_flat`` codec, :func:`hvd_ext.exchange.routes.flat_record`), else None (the sizes then
-    travel first: an alltoall)."""
-    numels = [math.prod(s) for s in shapes]
-    if comp.bucket_flat:
-        infos = [TensorInfo(name="bucket", shape=torch.Size([sum(numels)]), step=STEADY_STEP,
-                            segments=[(f"t{i}", n, None) for i, n in enumerate(numels)])]
-    else:
-        infos = [TensorInfo(name=f"t{i}", shape=torch.Size(s), step=STEADY_STEP) for i, s in enumerate(shapes)]
-    sizes = [comp.payload_size(info) for info in infos]
-    return None if any(z is None for z in sizes) else [int(z) for z in sizes]
-
-
-def recoded_sizes_known(comp: Compressor, shapes: Sequence[tuple], parts: int) -> bool:
-    """Whether the two-phase route's second phase (owners' re-coded shards) is an allgather of sizes
-    every rank knows: ``Compressor.payload_size(recoded=True)`` of every owner segment
-    (:func:`hvd_ext.exchange.routes.base.segments`), as the route asks it; else an alltoall."""
-    shards = segments([math.prod(s) for s in shapes], parts)
-    return all(recoded_size(comp, i, a, b) is not None for shard in shards for i, a, b in shard)
-
-
-def recoded_size(comp: Compressor, i: int, a: int, b: int) -> Optional[int]:
-    """``Compressor.payload_size(recoded=True)`` of the owner segment [a, b) of tensor ``i``."""
-    return comp.payload_size(TensorInfo(name=f"t{i}@{a}:owner", shape=torch.Size([b - a]), step=STEADY_STEP),
-                             recoded=True)
-
-
-def sizes_known(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int) -> bool:
-    """Whether ``route``'s gather carries sizes every rank knows (then an allgather, else an alltoall)."""
-    if route == "allgather":
-        return gathered_sizes(comp, shapes) is not None
-    if route == "twophase":
-        return recoded_sizes_known(comp, shapes, parts)
-    return True  # an allreduce, or the sparse reduce-scatter (two alltoalls whatever the sizes)
 
 
 def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int = 1) -> float:

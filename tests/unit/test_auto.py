@@ -139,10 +139,10 @@ def test_most_accurate_candidate_within_slack(monkeypatch):
     fake = {"none": 100e-3, "fp16": 52e-3, "topk": 50e-3}
 
     def time_codec(self, c, b, grads):
-        return {"enc": 0.0, "dec": 0.0, "bytes": float(list(fake).index(c.name))}
+        return {"enc": float(list(fake).index(c.name)), "dec": 0.0, "bytes": 1.0}  # the codec, by index
 
-    def predict(self, kind, numel, payload, enc, dec, rounds=1):
-        return fake[list(fake)[int(payload)]]
+    def predict(self, kind, numel, payload, enc, dec, rounds=1, collectives=None):
+        return fake[list(fake)[int(enc)]]
 
     monkeypatch.setattr(AutoTuner, "_time_codec", time_codec)
     monkeypatch.setattr(AutoTuner, "predict", predict)
@@ -176,10 +176,10 @@ def _fake_costs(monkeypatch, model, real):
     monkeypatch.setattr(AutoTuner, "_probe_link", _link())
 
     def time_codec(self, c, b, grads):
-        return {"enc": 0.0, "dec": 0.0, "bytes": float(list(model).index(c.name))}
+        return {"enc": float(list(model).index(c.name)), "dec": 0.0, "bytes": 1.0}  # the codec, by index
 
-    def predict(self, kind, numel, payload, enc, dec, rounds=1):
-        return model[list(model)[int(payload)]]
+    def predict(self, kind, numel, payload, enc, dec, rounds=1, collectives=None):
+        return model[list(model)[int(enc)]]
 
     def exchange_time(self, seconds):
         name = self.auto.candidates[self.choice[0]].name
@@ -494,13 +494,13 @@ def test_a_codecs_allreduce_rounds_are_priced(monkeypatch):
     seen = {}
     predict = AutoTuner.predict
 
-    def recording(self, kind, numel, payload, enc, dec, rounds=1):
-        seen.setdefault(kind, set()).add(rounds)
-        return predict(self, kind, numel, payload, enc, dec, rounds)
+    def recording(self, kind, numel, payload, enc, dec, rounds=1, collectives=None):
+        seen.setdefault(kind, set()).add(collectives)
+        return predict(self, kind, numel, payload, enc, dec, rounds, collectives)
 
     monkeypatch.setattr(AutoTuner, "predict", recording)
     run_pipeline("auto:warmup=2,accuracy=relaxed,trial=0,candidates=none,powersgd:warmup=0", _grads(3, 2), 2)
-    assert seen == {"allreduce": {1, 2}}
+    assert seen == {"allreduce": {("allreduce",), ("allreduce", "allreduce")}}
     tuner = type("T", (), {"pipe": type("P", (), {"size": 2})(), "link": {"lat": 1e-3, "bw": 1e6}})()
     one, two = (AutoTuner.predict(tuner, "allreduce", 100, 400.0, 0.0, 0.0, r) for r in (1, 2))
     assert two - one == pytest.approx(1e-3)

@@ -22,6 +22,6 @@ from .base import (NODE_PREFIX, OwnerMemory, Route, TensorRecord, flat_record, k
                    make_route, register, split_flat)
 # one module per route; importing registers it
 from . import allreduce, allgather, twophase, sparse_rs, hierarchical  # noqa: F401,E401
-from .choice import (choose_route, codec_node_aware_reason, estimated_bucket_bytes, estimated_payload_bytes,  # noqa: F401
-                     node_aware_reason, priced_as_pairs, route_options, route_payload,
-                     sparse_rs_payload)
+from .choice import (STEADY_STEP, choose_route, codec_node_aware_reason, estimated_bucket_bytes,  # noqa: F401
+                     estimated_payload_bytes, flat_routes, gathered_sizes, node_aware_reason, priced_as_pairs,
+                     recoded_size, route_options, route_payload, sizes_known, sparse_rs_payload)

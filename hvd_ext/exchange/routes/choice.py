@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from ...compression._sparse import count_for
-from ...compression.base import HIERARCHY_CHOICES, ROUTE_CHOICES, Compressor
+from ...compression.base import HIERARCHY_CHOICES, ROUTE_CHOICES, Compressor, TensorInfo
 from .. import cost
 from ..core import Exchange
 from ..probe import node_links_setting
@@ -82,6 +82,61 @@ def route_payload(comp: Compressor, kind: str, numels: Sequence[int], size: int,
             return sparse_rs_payload_on_nodes(comp, numels, size, local)
         return sparse_rs_payload(comp, numels, size)
     return estimated_bucket_bytes(comp, numels)
+
+
+STEADY_STEP = 10 ** 9  # a step past every codec's warm-up: the steady state, which the planner prices
+
+
+def gathered_sizes(comp: Compressor, shapes: Sequence[tuple], step: int = STEADY_STEP) -> Optional[List[int]]:
+    """The payload sizes an allgather of a bucket of ``shapes`` carries when every rank knows them
+    from the shapes (``Compressor.payload_size``, as the route asks it: one flat record for a
+    ``bucket_flat`` codec, :func:`hvd_ext.exchange.routes.flat_record`), else None (the sizes then
+    travel first: an alltoall), at the codec's ``step``."""
+    numels = [math.prod(s) for s in shapes]
+    if comp.bucket_flat:
+        infos = [TensorInfo(name="bucket", shape=torch.Size([sum(numels)]), step=step,
+                            segments=[(f"t{i}", n, None) for i, n in enumerate(numels)])]
+    else:
+        infos = [TensorInfo(name=f"t{i}", shape=torch.Size(s), step=step) for i, s in enumerate(shapes)]
+    sizes = [comp.payload_size(info) for info in infos]
+    return None if any(z is None for z in sizes) else [int(z) for z in sizes]
+
+
+def recoded_sizes_known(comp: Compressor, shapes: Sequence[tuple], parts: int, step: int = STEADY_STEP) -> bool:
+    """Whether the two-phase route's second phase (owners' re-coded shards) is an allgather of sizes
+    every rank knows: ``Compressor.payload_size(recoded=True)`` of every owner segment
+    (:func:`hvd_ext.exchange.routes.base.segments`), as the route asks it; else an alltoall."""
+    shards = segments([math.prod(s) for s in shapes], parts)
+    return all(recoded_size(comp, i, a, b, step) is not None for shard in shards for i, a, b in shard)
+
+
+def recoded_size(comp: Compressor, i: int, a: int, b: int, step: int = STEADY_STEP) -> Optional[int]:
+    """``Compressor.payload_size(recoded=True)`` of the owner segment [a, b) of tensor ``i``."""
+    return comp.payload_size(TensorInfo(name=f"t{i}@{a}:owner", shape=torch.Size([b - a]), step=step),
+                             recoded=True)
+
+
+def sizes_known(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int,
+                step: int = STEADY_STEP) -> bool:
+    """Whether ``route``'s gather over ``parts`` ranks carries sizes every rank knows (then an
+    allgather, else an alltoall: :func:`hvd_ext.exchange.cost.route_collectives`)."""
+    if route == "allgather":
+        return gathered_sizes(comp, shapes, step) is not None
+    if route == "twophase":
+        return recoded_sizes_known(comp, shapes, parts, step)
+    return True  # an allreduce, or the sparse reduce-scatter (two alltoalls whatever the sizes)
+
+
+def flat_routes(comp: Compressor) -> List[str]:
+    """The flat routes ``comp`` may take: the allreduce for a codec that rides on it, else the
+    allgather and the scalable route (the sparse reduce-scatter for a sparse codec), or the one its
+    ``exchange=`` names."""
+    if comp.collective == "allreduce":
+        return ["allreduce"]
+    flat = ["allgather", "sparse_rs" if comp.sparse else "twophase"]
+    if comp.route in ("allgather", "twophase"):
+        flat = [r for r in flat if (r == "allgather") == (comp.route == "allgather")]
+    return flat
 
 
 def node_aware_reason(comp: Compressor, exchange: Optional[Exchange]) -> Optional[str]:

@@ -1,0 +1,103 @@
+"""``compression="auto"`` and the planner decide alike: fed one calibration file (links and each
+collective's fixed cost, codec speeds, compute time), the job's ``auto`` picks per bucket the codec
+and route that ``hvd_ext.plan`` predicts it would (simulated ranks, one node)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hvd_ext.auto import AutoTuner
+from hvd_ext.exchange import calibration
+from hvd_ext.plan import plan
+from hvd_ext.testing.harness import run_pipeline
+
+N = 4
+SHAPES = {"w1": (256, 512), "b1": (512,), "w2": (512, 256), "w3": (96 * 1024,), "w4": (300, 300)}
+SPEED = {"none": 1e15, "fp16": 2e9, "qsgd": 3e8, "topk": 2.6e8}  # elements per second of one codec pass
+COMPUTE = 0.02
+BUCKET = 512 * 1024
+
+
+def calibration_file(bandwidth: float, lat: float, alltoall: float) -> dict:
+    idle = {"allreduce": lat, "allgather": 0.8 * lat, "alltoall": alltoall}
+    return {"version": 1, "ranks": N, "nodes": 1, "local": N, "device": "cpu", "compute_s": COMPUTE,
+            "links": {"flat": {"lat": lat, "bandwidth": bandwidth, "lat_by_kind": idle,
+                               "busy_lat_by_kind": {k: 2 * v for k, v in idle.items()}},
+                      "intra": {"alpha": lat / (2 * (N - 1)), "bandwidth": bandwidth}},
+            "codec": SPEED}
+
+
+def grads(steps: int):
+    g = torch.Generator().manual_seed(0)
+    return [[{n: torch.randn(*s, generator=g) for n, s in SHAPES.items()} for _ in range(N)] for _ in range(steps)]
+
+
+def job_picks(monkeypatch, tmp_path, cal: dict) -> dict:
+    """What the job's auto picks with ``cal`` as HVD_EXT_CALIBRATION: its codecs timed at the file's
+    speeds (their bytes are the real payloads), the step's compute the file's, and no exchange
+    measured before the decision (the in-job correction the planner has no input for)."""
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    monkeypatch.setenv(calibration.ENV, str(path))
+    monkeypatch.setattr(calibration, "_CACHE", {})
+    real = AutoTuner._time_codec_once
+
+    def at_file_speed(self, c, b, gs):
+        n = sum(g.numel() for g in gs)
+        return dict(real(self, c, b, gs), enc=n / SPEED[c.name], dec=n / SPEED[c.name])
+
+    def compute_only(self, seconds):
+        self._measured.append(0.0)
+        self._periods.append(COMPUTE)
+
+    monkeypatch.setattr(AutoTuner, "_time_codec_once", at_file_speed)
+    monkeypatch.setattr(AutoTuner, "exchange_time", compute_only)
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,trial=0", grads(3), N, bucket_bytes=BUCKET)
+    picks = []
+    for r in runs:
+        tuner = r.pipeline.auto
+        picks.append({})
+        for b in r.pipeline.buckets:
+            label = f"{tuner.auto.candidate_specs[tuner.choice[b.index]]} ({b.route.name})"
+            picks[-1][label] = picks[-1].get(label, 0) + 1
+    assert all(p == picks[0] for p in picks)
+    return picks[0]
+
+
+@pytest.mark.parametrize("bandwidth,lat,alltoall", [
+    (1e6, 1e-4, 1e-4), (3e6, 1e-4, 5e-3), (1e7, 2e-3, 1e-4), (1e9, 1e-4, 5e-3), (1e9, 2e-3, 1e-4),
+    (1e10, 2e-3, 1e-4)])
+def test_auto_in_the_job_picks_what_the_planner_predicts(monkeypatch, tmp_path, bandwidth, lat, alltoall):
+    """Same calibration, same choice, bucket by bucket: the codec (dense on a fast link, fp16 or
+    top-k where the link's latency or bandwidth costs) and the route (the sparse reduce-scatter's two
+    alltoalls against one allgather, as the file times each collective)."""
+    cal = calibration_file(bandwidth, lat, alltoall)
+    planned = plan(list(SHAPES.values()), cluster=None, nodes=1, calibration=cal, methods=[],
+                   breakeven_search=False, bucket_bytes=BUCKET, optimizer="none").auto_pick
+    assert job_picks(monkeypatch, tmp_path, cal) == planned
+
+
+def test_the_sweep_reaches_different_choices():
+    """The cases above are not one answer repeated: the planner's picks differ between them."""
+    seen = set()
+    for args in [(1e6, 1e-4, 1e-4), (3e6, 1e-4, 5e-3), (1e9, 1e-4, 5e-3), (1e9, 2e-3, 1e-4), (1e10, 2e-3, 1e-4)]:
+        p = plan(list(SHAPES.values()), cluster=None, nodes=1, calibration=calibration_file(*args), methods=[],
+                 breakeven_search=False, bucket_bytes=BUCKET, optimizer="none").auto_pick
+        seen.add(tuple(sorted(p.items())))
+    assert len(seen) == 5
+
+
+def test_collective_latencies_are_the_files_for_its_world_only():
+    cal = calibration_file(1e8, 1e-3, 4e-3)
+    first, then = calibration.collective_latencies(cal, N)
+    assert first == {"allreduce": 2e-3, "allgather": 1.6e-3, "alltoall": 8e-3}
+    assert then == {"allreduce": 1e-3, "allgather": 8e-4, "alltoall": 4e-3}
+    assert calibration.collective_latencies(cal, N, 1, N) == (first, then)
+    assert calibration.collective_latencies(cal, 2 * N) is None       # another world size
+    assert calibration.collective_latencies(cal, N, 2, N // 2) is None  # another layout
+    del cal["links"]["flat"]["busy_lat_by_kind"]
+    assert calibration.collective_latencies(cal, N) == (then, then)   # untimed inside a step: the idle figure
+    del cal["links"]["flat"]["lat_by_kind"]
+    assert calibration.collective_latencies(cal, N) is None
