@@ -63,10 +63,9 @@ from .compression.base import Compressor, Continue, TensorInfo
 from .compression.common import COMMON_ALIASES, COMMON_OPTIONS
 from .exchange import calibration, cost
 from .exchange.probe import best_time
-from .exchange.core import half_sum_kinds, sums_half_itself
-from .exchange.routes import (TensorRecord, flat_record, flat_routes, priced_as_pairs, route_options, route_payload,
-                              sizes_known)
-from .exchange.routes.allreduce import bucket_rounds
+from .exchange.bucket_cost import Network, flat_cost, node_aware_cost
+from .exchange.routes import (NODE_PREFIX, TensorRecord, flat_record, flat_routes, flat_terms, node_aware_reason,
+                              node_links, priced_as_pairs, route_payload)
 from .ops.device import Timer
 from .options import Option, resolve_options
 from .policy import CONTEND, SETTLE, Policy, median, ranks_mean
@@ -76,7 +75,6 @@ DEFAULT_CANDIDATES = ("none", "fp16", "qsgd:bits=8", "topk:ratio=0.03")
 _PROBE_SMALL = 256                 # floats
 _PROBE_LARGE = 256 * 1024          # floats (1 MB)
 _PROBE_ENOUGH = 10.0  # one large probe suffices once it takes this x the small one (bandwidth-bound)
-_NODE_COLLECTIVES = 2  # a node-aware route: priced as two collectives at the flat probe's latency
 _CUT = 1.3      # a trial contender this x (1 + slack) slower than the shortest so far stops early
 _ROUNDS = 2     # a trial's contenders take turns in this many rounds (ABC CBA)
 
@@ -283,6 +281,7 @@ class AutoTuner(Policy):
         self.last_eval: Optional[int] = None
         self.predicted_s: Optional[float] = None
         self.link: Dict[str, float] = {}
+        self.network: Optional[Network] = None  # what the last decision priced the routes on
         self.decisions: List[Dict[str, Any]] = []
         self._measured: List[float] = []
         self._check_every = auto.check
@@ -396,8 +395,10 @@ class AutoTuner(Policy):
         given = calibration.flat_link(cal, N)
         if given is not None:  # HVD_EXT_CALIBRATION: the link python -m hvd_ext.plan --measure found
             wire = cost.allreduce_wire(4.0 * (_PROBE_LARGE - _PROBE_SMALL), N)
+            topo = self.pipe.exchange.topology()
+            world = (topo.cross_size, topo.local_size) if topo is not None else (None, None)
             return {"lat": given["lat"], "large": given["lat"] + wire / given["bandwidth"], "wire": wire,
-                    "by_kind": calibration.collective_latencies(cal, N)}
+                    "by_kind": calibration.collective_latencies(cal, N, *world)}
 
         dev = self.pipe.buckets[0].params[0].device if self.pipe.buckets else "cpu"  # the gradients' link
         small, large = torch.zeros(_PROBE_SMALL, device=dev), torch.zeros(_PROBE_LARGE, device=dev)
@@ -475,34 +476,39 @@ class AutoTuner(Policy):
 
     # ---- deciding --------------------------------------------------------------------------
     def predict(self, kind: str, numel: int, payload: float, enc: float, dec: float, rounds: int = 1,
-                collectives: Optional[tuple] = None) -> float:
-        """A bucket's exchange seconds on route ``kind``, as the planner prices a flat route
-        (:func:`hvd_ext.plan.model.flat_cost` on one node): its ``collectives`` one after another
-        (:func:`hvd_ext.exchange.cost.collective_seconds`; by default the route's, ``rounds`` times:
-        the allreduce rounds its codec takes at the pipeline's step,
-        :func:`hvd_ext.exchange.routes.allreduce.bucket_rounds`), the wire bytes over the link and the
-        codec passes (:func:`hvd_ext.exchange.cost.route_wire_and_code`). Each collective costs what a
-        calibration file timed for it, else the probe's allreduce latency."""
-        wire, code = cost.route_wire_and_code(kind, self.pipe.size, payload, enc, dec)
-        link_s = wire / self.link["bw"] if wire > 0 else 0.0   # one rank (elastic at size 1): nothing on the wire
-        if kind not in cost.ROUTE_COLLECTIVES:  # node-aware
-            return _NODE_COLLECTIVES * self.link["lat"] + link_s + code
-        kinds = collectives or cost.route_collectives(kind) * rounds
-        first, then = self.link.get("by_kind") or ({k: self.link["lat"] for k in calibration.COLLECTIVES}, {})
-        return cost.collective_seconds(kinds, first, then) + link_s + code
+                collectives: Optional[tuple] = None, sizes_known: bool = True) -> float:
+        """A bucket's exchange seconds on route ``kind`` over :attr:`network`, priced as the planner
+        prices it (:func:`hvd_ext.exchange.bucket_cost.flat_cost` / ``node_aware_cost``): its
+        collectives one after another (``rounds``, ``collectives``, ``sizes_known``:
+        :func:`hvd_ext.exchange.routes.flat_terms`), the bytes on the busiest link and the codec
+        passes."""
+        net = self.network or self.probe_network()
+        if kind.startswith(NODE_PREFIX):
+            return node_aware_cost(kind[len(NODE_PREFIX):], numel, payload, enc, dec, net).seconds
+        return flat_cost(kind, numel, payload, enc, dec, net, sizes_known, rounds, collectives=collectives).seconds
 
-    def collectives(self, c: Compressor, kind: str, shapes: Sequence[torch.Size], device: torch.device) -> tuple:
-        """The collectives of a bucket of ``shapes`` coded by ``c`` on the flat route ``kind`` at the
-        pipeline's step: the route's (a gather of sizes the receivers cannot know is an alltoall,
-        :func:`hvd_ext.exchange.routes.sizes_known`), each allreduce round, or the alltoall and
-        allgather of a half-precision sum the exchange does itself (:func:`hvd_ext.exchange.core.sums_half_itself`)."""
+    def probe_network(self) -> Network:
+        """One flat link: the probe's (or the calibration's) latency and bandwidth, each collective's
+        fixed cost the calibration's where it timed them, else the probe's allreduce latency."""
+        N = self.pipe.size
+        first, then = self.link.get("by_kind") or ({k: self.link["lat"] for k in calibration.COLLECTIVES}, {})
+        flat = cost.LinkModel(alpha=self.link["lat"] / max(2 * (N - 1), 1), bandwidth=self.link["bw"])
+        return Network(1, N, flat, flat, first, then)
+
+    def node_network(self, device) -> Optional[Network]:
+        """Across nodes, where a candidate's node-aware route can run
+        (:func:`hvd_ext.exchange.routes.node_links`): the node links the exchange measured once (or
+        the calibration's) with each collective's fixed cost, as the planner's cluster; else None."""
         pipe = self.pipe
-        if kind == "allreduce":
-            dtype = c.wire_dtype or torch.float32
-            if sums_half_itself(dtype, device.type, pipe.size):
-                return half_sum_kinds(pipe.size, sum(math.prod(s) for s in shapes))
-            return cost.route_collectives(kind) * bucket_rounds(c, shapes, pipe.step)
-        return cost.route_collectives(kind, sizes_known(c, [tuple(s) for s in shapes], kind, pipe.size, pipe.step))
+        if all(node_aware_reason(c, pipe.exchange) is not None for c in self.auto.candidates):
+            return None  # (hierarchy=flat, one node, an elastic job...: no node groups made)
+        links = node_links(pipe.exchange, device)
+        if links is None:
+            return None
+        base, topo = self.probe_network(), pipe.exchange.topology()
+        M, L = topo.cross_size, topo.local_size
+        return Network(M, L, links.intra, links.inter, base.collective_lat, base.idle_lat,
+                       calibration.node_latencies(calibration.from_env(), pipe.size, M, L), links.tree)
 
     def evaluate(self, reason: str) -> None:
         """One decision: measure (link, codecs, compute: the ranks' mean) -> predict every candidate on
@@ -557,11 +563,13 @@ class AutoTuner(Policy):
         give it, calibrated by what chosen codecs measured; ineligible ones infinitely slow."""
         pipe, cands = self.pipe, self.auto.candidates
         forecasts, table = [], []
+        dev = pipe.buckets[0].params[0].device if pipe.buckets else torch.device("cpu")
+        self.network = self.node_network(dev) or self.probe_network()  # from the link just measured
         for b, row in zip(pipe.buckets, m.codec):
             numel = sum(p.numel() for p in b.params)
             times, kinds, per = [], [], {}
             for ci, (c, measured) in enumerate(zip(cands, row)):
-                kind, t = self._route(c, b, numel, *measured, m)
+                kind, t = self._route(c, b, numel, *measured)
                 kinds.append(kind)
                 times.append(t)
                 per[self.auto.candidate_specs[ci]] = round(t * 1e3, 4)
@@ -575,26 +583,25 @@ class AutoTuner(Policy):
             f.fastest = fastest_candidate(f.times, self.dense_index(self.auto))
         return forecasts, table
 
-    def _route(self, c: Compressor, b, numel: int, enc: float, dec: float, nbytes: float,
-               m: Measurement) -> Tuple[str, float]:
-        """Candidate ``c``'s route on bucket ``b`` and its predicted seconds there: of the flat routes
-        it may take (:func:`hvd_ext.exchange.routes.flat_routes`), the one :meth:`predict` finds
-        fastest, as the planner's ``auto`` row takes it (:func:`hvd_ext.plan.auto_row`); across nodes
-        the node-aware one instead where the exchange's node model finds it faster
-        (:func:`hvd_ext.exchange.routes.route_options`, with the node links the exchange measured once)."""
-        pipe = self.pipe
-        numels, shapes, dev = [p.numel() for p in b.params], [p.shape for p in b.params], b.params[0].device
-        link = cost.LinkModel(alpha=m.lat, bandwidth=m.bw, codec=numel / max(enc + dec, 1e-9))
-        opts = route_options(c, c.route, numels, pipe.size, link=link, exchange=pipe.exchange, codec=link.codec,
-                             device=dev)
-        if opts["node"] is not None and opts["node_s"] < opts["flat_s"]:
-            return opts["node"], self.predict(opts["node"], numel, nbytes, enc, dec)
+    def _route(self, c: Compressor, b, numel: int, enc: float, dec: float, nbytes: float) -> Tuple[str, float]:
+        """Candidate ``c``'s route on bucket ``b`` and its predicted seconds there: of the routes it may
+        take (:func:`hvd_ext.exchange.routes.flat_routes`, and their node-aware forms where one can
+        run), the one :meth:`predict` finds fastest (the first listed on ties), as the planner's
+        ``auto`` row takes it (:func:`hvd_ext.plan.auto_row`)."""
+        pipe, net = self.pipe, self.network
+        shapes, dev = [tuple(p.shape) for p in b.params], b.params[0].device
+        numels = [math.prod(s) for s in shapes]
         flat = flat_routes(c) if pipe.size > 1 else ["allreduce" if c.collective == "allreduce" else "allgather"]
+        node = net.nodes > 1 and node_aware_reason(c, pipe.exchange) is None
         best = None
-        for kind in flat:
-            # the sparse reduce-scatter sends its pairs, not the codec's payload (as the planner prices it)
-            pay = route_payload(c, kind, numels, pipe.size) if kind == "sparse_rs" and priced_as_pairs(c) else nbytes
-            t = self.predict(kind, numel, pay, enc, dec, collectives=self.collectives(c, kind, shapes, dev))
+        for kind in flat + ([NODE_PREFIX + k for k in flat] if node else []):
+            inner = kind[len(NODE_PREFIX):] if kind.startswith(NODE_PREFIX) else kind
+            pay = nbytes
+            if inner == "sparse_rs" and priced_as_pairs(c):  # its pairs travel, not the codec's payload
+                pay = route_payload(c, inner, numels, net.nodes, net.local) if inner != kind else \
+                    route_payload(c, inner, numels, pipe.size)
+            terms = {} if inner != kind else flat_terms(c, shapes, kind, pipe.size, dev.type, pipe.step)
+            t = self.predict(kind, numel, pay, enc, dec, **terms)
             if best is None or t < best[1] - 1e-15:
                 best = (kind, t)
         return best

@@ -126,3 +126,15 @@ def collective_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optio
     then = dict(flat.get("lat_by_kind") or {})
     first = {**then, **(flat.get("busy_lat_by_kind") or {})}
     return (first, then) if first else None
+
+
+def node_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optional[int] = None,
+                   local: Optional[int] = None) -> Dict[str, float]:
+    """The fixed seconds of each collective of a node's ranks timed inside a step
+    (``links.intra.busy_lat_by_kind``: the node-aware route's first collective pays it), if ``cal``
+    timed them on this world (as :func:`collective_latencies`); else empty."""
+    if not cal or int(cal.get("ranks", -1)) != ranks:
+        return {}
+    if nodes is not None and (cal.get("nodes"), cal.get("local")) != (nodes, local):
+        return {}
+    return dict(cal.get("links", {}).get("intra", {}).get("busy_lat_by_kind") or {})

@@ -224,14 +224,15 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
     base = hv or flat  # Horovod's float32 allreduce, against which its float16 one is measured
     h16 = links.get("horovod_fp16") if same_world and "bandwidth" in flat else None
     compiled = dict((calibration or {}).get("codec_compiled", {}))
-    return Cluster(nodes, local, intra, inter, codec, codec_on_compute=device == "cpu", allreduce_tree=device != "cpu",
+    return Cluster(nodes, local, intra, inter, codec=codec, codec_on_compute=device == "cpu",
+                   allreduce_tree=device != "cpu",
                    codec_fixed=fixed,
                    codec_compiled=compiled, compile_min=(calibration or {}).get("compile_min") if compiled else None,
                    collective_lat=lat, idle_lat=idle,
                    horovod_lat=hv_lat,
                    horovod_slowdown=flat["bandwidth"] / hv["bandwidth"] if hv else 1.0,
                    horovod_fp16_slowdown=base["bandwidth"] / h16["bandwidth"] if h16 else 1.0,
-                   intra_lat=dict(links.get("intra", {}).get("busy_lat_by_kind") or {}) if same_world else {}), device
+                   intra_lat=cal_file.node_latencies(calibration, nodes * local, nodes, local)), device
 
 
 def predict_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster, methods: Iterable[str],

@@ -5,13 +5,13 @@ rows: per tensor) and method, the exchange costs
 
     messages x alpha + bytes on the busiest link / bandwidth + codec seconds
 
-with the wire bytes and codec passes of :func:`hvd_ext.exchange.cost.route_wire_and_code`, the
-accounting ``compression="auto"`` predicts with (on GPUs an allreduce's messages are NCCL's tree's
-where less, :func:`hvd_ext.exchange.cost.tree_allreduce_latency`; a calibration's measured latencies
-replace them). Across nodes the flat routes' node NIC carries the off-node part of its L ranks'
-traffic (a ring allreduce crosses it once per direction); the node-aware route (Horovod's
-hierarchical allreduce for dense rows) reduces densely inside the node and runs the codec's route on
-a 1/L shard across nodes, the NIC carrying the L shards (:mod:`hvd_ext.exchange.cost` derives both).
+as :mod:`hvd_ext.exchange.bucket_cost` prices a route, the price ``compression="auto"`` takes too
+(a calibration's measured latencies replace messages x alpha; on GPUs an allreduce's messages are
+NCCL's tree's where less). Across nodes the flat routes' node NIC carries the off-node part of its
+L ranks' traffic; the node-aware route (Horovod's hierarchical allreduce for dense rows) reduces
+densely inside the node and runs the codec's route on a 1/L shard across nodes. This module adds
+what the job does around it: the buckets' payloads and codec calls, Horovod's own rows, fusion and
+the overlap with backward.
 
 Horovod's background thread fuses the allreduces (and gathers) that are ready together, hvd_ext's
 buckets as its own tensors (:func:`fused_groups`): a fused group pays the collective's fixed cost
@@ -33,12 +33,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..compression.base import Compressor, TensorInfo
-from ..exchange import cost
-from ..exchange.core import frame_size, half_sum_kinds, sums_half_itself
+from ..exchange.bucket_cost import BucketCost, Network, flat_cost, node_aware_cost
+from ..exchange.core import frame_size
 from ..exchange.routes import (STEADY_STEP, codec_node_aware_reason, estimated_bucket_bytes,
-                               estimated_payload_bytes, flat_routes, gathered_sizes, recoded_size, route_payload,
-                               sizes_known)
-from ..exchange.routes.allreduce import bucket_rounds
+                               estimated_payload_bytes, flat_routes, flat_terms, gathered_sizes, recoded_size,
+                               route_payload)
 from ..exchange.routes.base import segments, sends_flat
 from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
 from ..spec import compression_from_spec
@@ -46,67 +45,29 @@ from ..spec import compression_from_spec
 # Horovod's defaults since 0.21 (its changelog; `horovodrun --help` of 0.28.1 says the same)
 HOROVOD_FUSION_BYTES = 128 * 1024 * 1024  # HOROVOD_FUSION_THRESHOLD
 HOROVOD_CYCLE_S = 1e-3                     # HOROVOD_CYCLE_TIME
-@dataclass
-class Cluster:
-    """``nodes`` x ``local`` ranks; ``intra`` / ``inter`` links (``inter`` unused on one node);
-    ``codec``: elements per second of one encode or decode pass, per spec or codec family, on the
-    device, and ``codec_fixed`` its fixed seconds per pass; ``collective_lat``: the fixed seconds of
-    one allreduce, allgather and alltoall over the whole world (both measured by a calibration: they
-    replace messages x alpha on the flat routes), and ``idle_lat`` the same where the ranks start it
-    together (:func:`hvd_ext.exchange.cost.collective_seconds`);
-    ``codec_on_compute``: the codec shares the compute engine (a CPU);
-    ``horovod_lat`` / ``horovod_slowdown``: where Horovod's own allreduce waits otherwise than hvd_ext's
-    (ranks share cores, :mod:`hvd_ext.exchange.waiting`), its measured fixed seconds and how many times
-    slower it moves bytes than the flat link (:func:`horovod_view`); ``horovod_fp16_slowdown``: how
-    many times slower per byte Horovod's float16 allreduce is than its float32 one (measured);
-    ``intra_lat``: the fixed seconds of each collective of a node's ranks, measured inside a step: the
-    node-aware route's first collective pays it (:func:`hvd_ext.exchange.cost.collective_seconds`);
-    ``codec_compiled``: on a CPU, the elements per second of a codec call of ``compile_min`` elements
-    or more, which runs compiled (``codec``: the smaller, eager ones); ``allreduce_tree``: an allreduce's latency is the
-    smaller of the ring's and NCCL's tree's (:func:`hvd_ext.exchange.cost.tree_allreduce_latency`)."""
 
-    nodes: int
-    local: int
-    intra: cost.LinkModel
-    inter: cost.LinkModel
+
+@dataclass
+class Cluster(Network):
+    """A :class:`hvd_ext.exchange.bucket_cost.Network` (``nodes`` x ``local`` ranks, the links, each
+    collective's measured fixed seconds) with the device's codecs and Horovod's own allreduce:
+    ``codec``: elements per second of one encode or decode pass, per spec or codec family, on the
+    device, and ``codec_fixed`` its fixed seconds per pass; ``codec_on_compute``: the codec shares the
+    compute engine (a CPU); ``horovod_lat`` / ``horovod_slowdown``: where Horovod's own allreduce
+    waits otherwise than hvd_ext's (ranks share cores, :mod:`hvd_ext.exchange.waiting`), its measured
+    fixed seconds and how many times slower it moves bytes than the flat link (:func:`horovod_view`);
+    ``horovod_fp16_slowdown``: how many times slower per byte Horovod's float16 allreduce is than its
+    float32 one (measured); ``codec_compiled``: on a CPU, the elements per second of a codec call of
+    ``compile_min`` elements or more, which runs compiled (``codec``: the smaller, eager ones)."""
+
     codec: Dict[str, float] = field(default_factory=dict)
     codec_on_compute: bool = False
     codec_fixed: Dict[str, float] = field(default_factory=dict)  # seconds per pass whatever the size
-    collective_lat: Dict[str, float] = field(default_factory=dict)  # measured seconds per collective, flat
-    idle_lat: Dict[str, float] = field(default_factory=dict)  # the same with the ranks together (no step before)
     horovod_lat: Optional[float] = None
     horovod_slowdown: float = 1.0
     horovod_fp16_slowdown: float = 1.0
-    intra_lat: Dict[str, float] = field(default_factory=dict)  # seconds per collective of a node, in a step
     codec_compiled: Dict[str, float] = field(default_factory=dict)  # elements/s of a call of compile_min or more
     compile_min: Optional[int] = None
-    allreduce_tree: bool = False  # NCCL's trees where they beat the ring (a GPU cluster)
-
-    @property
-    def size(self) -> int:
-        return self.nodes * self.local
-
-    def link(self) -> cost.LinkModel:
-        """The link a flat collective is bound by: the NIC across nodes, else the node's own link."""
-        return self.inter if self.nodes > 1 else self.intra
-
-
-@dataclass
-class BucketCost:
-    numel: int
-    wire: float          # bytes this rank sends
-    nic: float           # bytes the busiest link carries for it (a node's NIC across nodes)
-    latency: float       # seconds of per-message cost
-    code: float          # codec seconds
-    link_s: float        # latency + nic / bandwidth (+ the intra part of a node-aware exchange)
-    tail_s: float = 0.0  # the part of link_s that starts only once backward is over (later rounds)
-    tail_lat: float = 0.0  # the part of latency in tail_s
-    fuse: Optional[str] = None  # Horovod fuses its collective with the next ones of this key (None: never)
-    fuse_bytes: float = 0.0     # the bytes it counts against HOROVOD_FUSION_BYTES
-
-    @property
-    def seconds(self) -> float:
-        return self.link_s + self.code
 
 
 def buckets_of(shapes: Sequence[tuple], bucket_bytes: int, first_bytes: Optional[int]) -> List[List[tuple]]:
@@ -135,67 +96,6 @@ def codec_seconds(spec: str, numel: int, cluster: Cluster) -> float:
                          "hvd_ext.plan.presets)")
     fixed = cluster.codec_fixed.get(spec, cluster.codec_fixed.get(family(spec), 0.0))
     return 0.0 if math.isinf(speed) else fixed + numel / speed
-
-
-def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
-              sizes_known: bool = True, rounds: int = 1, later: float = 0.0, fuse: Optional[str] = None,
-              collectives: Optional[tuple] = None) -> BucketCost:
-    """A bucket on a flat route; ``rounds``: the allreduce rounds its codec takes
-    (``Compressor.rounds``), each after the first a collective at the ranks-together cost that starts
-    once backward is over (:mod:`hvd_ext.exchange.routes.allreduce`), carrying ``later`` of the
-    ``payload`` bytes (``Compressor.round_bytes``): both are the bucket's ``tail_s``. ``collectives``:
-    one round's collectives where they are not the route's own (hvd_ext's half-precision sum:
-    :func:`half_sum_collectives`), each N-1 messages. ``fuse``: the dtype of the first collective, if
-    Horovod may fuse it with the next ones (an allreduce or a gather of known sizes, :func:`fused_groups`)."""
-    N, L = c.size, c.local
-    wire, code = cost.route_wire_and_code(kind, N, payload, enc, dec)
-    base = "twophase" if kind == "sparse_rs" else kind
-    messages = cost.per_rank(base, numel, payload, N)["messages"]
-    ring = kind == "allreduce" and not collectives  # a ring crosses the node's NIC once per direction
-    nic = wire if (c.nodes == 1 or ring) else L * wire * (N - L) / (N - 1)
-    link = c.link()
-    kinds = (collectives or cost.route_collectives(kind, sizes_known)) * rounds
-    if collectives:
-        messages = (N - 1) * len(collectives)
-    one = messages * link.alpha
-    if kind == "allreduce" and c.allreduce_tree and not collectives:
-        one = min(one, cost.tree_allreduce_latency(c.nodes, L, c.intra.alpha, c.inter.alpha))
-    lat, tail = one * rounds, one * (rounds - 1)
-    if c.collective_lat:
-        lat = cost.collective_seconds(kinds, c.collective_lat, c.idle_lat)
-        tail = lat - cost.collective_seconds(kinds[:len(kinds) // rounds], c.collective_lat, c.idle_lat)
-    link_s = lat + nic / link.bandwidth
-    tail_lat = tail
-    tail += nic * later / payload / link.bandwidth if payload > 0 else 0.0
-    # Horovod fuses an allreduce (its first round's bytes) or an allgather (its output), not an alltoall
-    first = kinds[0]
-    key = f"{first}/{fuse}" if fuse and first in ("allreduce", "allgather") else None
-    return BucketCost(numel, wire, nic, lat, code, link_s, min(tail, link_s), min(tail_lat, link_s), key,
-                      payload - later if first == "allreduce" else N * payload)
-
-
-def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: float, c: Cluster,
-                    fuse: Optional[str] = None) -> BucketCost:
-    """The node-aware route (:mod:`hvd_ext.exchange.routes.hierarchical`): a dense reduce-scatter (an
-    alltoall) inside the node, ``inner`` across nodes on a 1/L shard, a dense allgather inside the
-    node; messages x alpha each, but the first collective at ``intra_lat`` where measured. ``fuse``:
-    Horovod's hierarchical allreduce, which it fuses as its flat one (hvd_ext's route starts with an
-    alltoall, which it does not)."""
-    L, M = c.local, c.nodes
-    D = 4.0 * numel
-    intra_wire = 2.0 * (L - 1) / L * D
-    intra_lat = 2.0 * (L - 1) * c.intra.alpha
-    base = "twophase" if inner == "sparse_rs" else inner
-    lat = cost.per_rank(base, max(numel // L, 1), payload / L, M)["messages"] * c.inter.alpha
-    if inner == "allreduce" and c.allreduce_tree:
-        lat = min(lat, cost.tree_allreduce_latency(M, 1, 0.0, c.inter.alpha))
-    if "alltoall" in c.intra_lat:  # the first, the reduce-scatter, waits for the slowest rank (collective_seconds)
-        intra_lat = c.intra_lat["alltoall"] + (L - 1) * c.intra.alpha
-    wire, code = cost.route_wire_and_code(inner, M, payload / L, enc / L, dec / L)
-    nic = L * wire
-    link_s = intra_lat + intra_wire / c.intra.bandwidth + lat + nic / c.inter.bandwidth
-    return BucketCost(numel, intra_wire + wire, nic, intra_lat + lat, code, link_s,
-                      fuse=f"allreduce/{fuse}" if fuse else None, fuse_bytes=D)
 
 
 @dataclass
@@ -353,7 +253,8 @@ def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: 
     if route.endswith("sparse_rs"):
         return sparse_payload(comp, shapes, route, parts, local)
     numels = [math.prod(s) for s in shapes]
-    if route.endswith("twophase") and parts > 1 and comp.expected_piece_bytes(numels, [[n] for n in numels]) is not None:
+    if (route.endswith("twophase") and parts > 1
+            and comp.expected_piece_bytes(numels, [[n] for n in numels]) is not None):
         return twophase_payload(comp, shapes, parts)
     sizes = gathered_sizes(comp, shapes) if route.endswith("allgather") else None
     if sizes is not None:
@@ -460,24 +361,13 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
         if route.startswith("node:"):
             costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c))
         else:
-            rounds, later = (bucket_rounds(comp, shapes, STEADY_STEP), later_round_bytes(comp, shapes)) \
-                if route == "allreduce" else (1, 0.0)
-            costs.append(flat_cost(route, n, payload, enc, dec, c, sizes_known(comp, shapes, route, parts),
-                                   rounds, later, str(comp.wire_dtype or torch.float32),
-                                   half_sum_collectives(comp, route, n, c)))
+            # the device decides who sums a half-precision bucket (a CPU: where the codec runs on the compute core)
+            terms = flat_terms(comp, shapes, route, parts, "cpu" if c.codec_on_compute else "cuda")
+            later = later_round_bytes(comp, shapes) if route == "allreduce" else 0.0
+            costs.append(flat_cost(route, n, payload, enc, dec, c, later=later,
+                                   fuse=str(comp.wire_dtype or torch.float32), **terms))
         seen[key] = costs[-1]
     return costs
-
-
-def half_sum_collectives(comp: Compressor, route: str, numel: int, c: Cluster) -> Optional[tuple]:
-    """The collectives of an allreduce bucket that hvd_ext sums itself
-    (:func:`hvd_ext.exchange.core.sums_half_itself`; a CPU is where the codec runs on the compute core):
-    an alltoall then an allgather, or on one rank, or two and a small bucket, one allgather (which
-    Horovod fuses); None where the transport's allreduce sums it."""
-    dtype = comp.wire_dtype or torch.float32
-    if route != "allreduce" or not sums_half_itself(dtype, "cpu" if c.codec_on_compute else "cuda", c.size):
-        return None
-    return half_sum_kinds(c.size, numel)
 
 
 OPTIMIZERS = ("sgd", "adam", "none")

@@ -141,7 +141,7 @@ def test_most_accurate_candidate_within_slack(monkeypatch):
     def time_codec(self, c, b, grads):
         return {"enc": float(list(fake).index(c.name)), "dec": 0.0, "bytes": 1.0}  # the codec, by index
 
-    def predict(self, kind, numel, payload, enc, dec, rounds=1, collectives=None):
+    def predict(self, kind, numel, payload, enc, dec, **terms):
         return fake[list(fake)[int(enc)]]
 
     monkeypatch.setattr(AutoTuner, "_time_codec", time_codec)
@@ -178,7 +178,7 @@ def _fake_costs(monkeypatch, model, real):
     def time_codec(self, c, b, grads):
         return {"enc": float(list(model).index(c.name)), "dec": 0.0, "bytes": 1.0}  # the codec, by index
 
-    def predict(self, kind, numel, payload, enc, dec, rounds=1, collectives=None):
+    def predict(self, kind, numel, payload, enc, dec, **terms):
         return model[list(model)[int(enc)]]
 
     def exchange_time(self, seconds):
@@ -494,14 +494,15 @@ def test_a_codecs_allreduce_rounds_are_priced(monkeypatch):
     seen = {}
     predict = AutoTuner.predict
 
-    def recording(self, kind, numel, payload, enc, dec, rounds=1, collectives=None):
-        seen.setdefault(kind, set()).add(collectives)
-        return predict(self, kind, numel, payload, enc, dec, rounds, collectives)
+    def recording(self, kind, numel, payload, enc, dec, **terms):
+        seen.setdefault(kind, set()).add(terms["rounds"])
+        return predict(self, kind, numel, payload, enc, dec, **terms)
 
     monkeypatch.setattr(AutoTuner, "predict", recording)
     run_pipeline("auto:warmup=2,accuracy=relaxed,trial=0,candidates=none,powersgd:warmup=0", _grads(3, 2), 2)
-    assert seen == {"allreduce": {("allreduce",), ("allreduce", "allreduce")}}
-    tuner = type("T", (), {"pipe": type("P", (), {"size": 2})(), "link": {"lat": 1e-3, "bw": 1e6}})()
-    one, two = (AutoTuner.predict(tuner, "allreduce", 100, 400.0, 0.0, 0.0, r) for r in (1, 2))
+    assert seen == {"allreduce": {1, 2}}
+    tuner = type("T", (), {"pipe": type("P", (), {"size": 2})(), "link": {"lat": 1e-3, "bw": 1e6}, "network": None,
+                           "probe_network": AutoTuner.probe_network})()
+    one, two = (predict(tuner, "allreduce", 100, 400.0, 0.0, 0.0, r) for r in (1, 2))
     assert two - one == pytest.approx(1e-3)
     assert one == pytest.approx(1e-3 + cost.allreduce_wire(400.0, 2) / 1e6)

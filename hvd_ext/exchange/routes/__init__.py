@@ -23,5 +23,5 @@ from .base import (NODE_PREFIX, OwnerMemory, Route, TensorRecord, flat_record, k
 # one module per route; importing registers it
 from . import allreduce, allgather, twophase, sparse_rs, hierarchical  # noqa: F401,E401
 from .choice import (STEADY_STEP, choose_route, codec_node_aware_reason, estimated_bucket_bytes,  # noqa: F401
-                     estimated_payload_bytes, flat_routes, gathered_sizes, node_aware_reason, priced_as_pairs,
-                     recoded_size, route_options, route_payload, sizes_known, sparse_rs_payload)
+                     estimated_payload_bytes, flat_routes, flat_terms, gathered_sizes, node_aware_reason, node_links,
+                     priced_as_pairs, recoded_size, route_options, route_payload, sizes_known, sparse_rs_payload)

@@ -16,9 +16,10 @@ import torch
 from ...compression._sparse import count_for
 from ...compression.base import HIERARCHY_CHOICES, ROUTE_CHOICES, Compressor, TensorInfo
 from .. import cost
-from ..core import Exchange
+from ..core import Exchange, half_sum_kinds, sums_half_itself
 from ..probe import node_links_setting
 from ..transport import NodeGroupsUnavailable, horovod_elastic
+from .allreduce import bucket_rounds
 from .base import NODE_PREFIX, segments
 from .sparse_rs import expected_wire
 
@@ -127,6 +128,21 @@ def sizes_known(comp: Compressor, shapes: Sequence[tuple], route: str, parts: in
     return True  # an allreduce, or the sparse reduce-scatter (two alltoalls whatever the sizes)
 
 
+def flat_terms(comp: Compressor, shapes: Sequence[tuple], route: str, size: int, device_type: str,
+               step: int = STEADY_STEP) -> Dict[str, Any]:
+    """What a bucket of ``shapes`` coded by ``comp`` runs on the flat ``route`` over ``size`` ranks at
+    the codec's ``step``, as :func:`hvd_ext.exchange.bucket_cost.flat_cost` takes it: ``sizes_known``
+    (its gathers carry sizes every rank knows, else they are alltoalls), ``rounds`` (the allreduce
+    rounds, :func:`.allreduce.bucket_rounds`) and ``collectives`` (one round's where they are not the
+    route's own: the alltoall and allgather of a half-precision sum the exchange does itself on
+    ``device_type``, :func:`hvd_ext.exchange.core.sums_half_itself`; else None)."""
+    if route != "allreduce":
+        return {"sizes_known": sizes_known(comp, shapes, route, size, step), "rounds": 1, "collectives": None}
+    half = sums_half_itself(comp.wire_dtype or torch.float32, device_type, size)
+    return {"sizes_known": True, "rounds": bucket_rounds(comp, shapes, step),
+            "collectives": half_sum_kinds(size, sum(math.prod(s) for s in shapes)) if half else None}
+
+
 def flat_routes(comp: Compressor) -> List[str]:
     """The flat routes ``comp`` may take: the allreduce for a codec that rides on it, else the
     allgather and the scalable route (the sparse reduce-scatter for a sparse codec), or the one its
@@ -197,21 +213,11 @@ def route_options(comp: Compressor, mode: str, numel: Union[int, Sequence[int]],
         raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY_CHOICES)}, got {hier!r}")
     if exchange is None or node_aware_reason(comp, exchange) is not None:
         return only_flat
-    node_links_setting()  # a bad HVD_EXT_NODE_LINKS fails here, before the node groups' first collective
-    try:
-        exchange.node_exchanges()
-    except NodeGroupsUnavailable as e:
-        key = str(e)
-        if key not in _warned:
-            _warned.add(key)
-            warnings.warn(f"hvd_ext: node-aware compression is off, the exchange is flat: {e}", stacklevel=4)
-        return only_flat
+    model = node_links(exchange, device, model, stacklevel=5)
     if model is None:
-        model = exchange.node_model(device)
+        return only_flat
     if codec is not None:
         model = dataclasses.replace(model, inter=dataclasses.replace(model.inter, codec=codec))
-    if device is not None and torch.device(device).type == "cuda":
-        model = dataclasses.replace(model, tree=True)   # Horovod's allreduce of GPU tensors: NCCL's
     topo = exchange.topology()
     M, L = topo.cross_size, topo.local_size
     if comp.collective == "allreduce":
@@ -236,6 +242,31 @@ def route_options(comp: Compressor, mode: str, numel: Union[int, Sequence[int]],
     if inner == "twophase":
         inner = "sparse_rs" if comp.sparse else "twophase"
     return {"flat": flat, "flat_s": float(flat_s), "node": NODE_PREFIX + inner, "node_s": float(min(node_t.values()))}
+
+
+def node_links(exchange: Exchange, device=None, model: Optional[cost.NodeModel] = None,
+               stacklevel: int = 4) -> Optional[cost.NodeModel]:
+    """The intra- and inter-node links a node-aware route runs over (``model``, else
+    :meth:`Exchange.node_model`; on a GPU with NCCL's trees), or None where no node-aware route can
+    run: one node, nodes of different sizes, an elastic job, or node process sets Horovod cannot make
+    (one warning says what to pass to ``hvd.init``). Collective the first time (the node groups); the
+    same on every rank."""
+    topo = exchange.topology()
+    if horovod_elastic() or topo is None or not topo.multi_node:
+        return None
+    node_links_setting()  # a bad HVD_EXT_NODE_LINKS fails here, before the node groups' first collective
+    try:
+        exchange.node_exchanges()
+    except NodeGroupsUnavailable as e:
+        key = str(e)
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(f"hvd_ext: node-aware compression is off, the exchange is flat: {e}", stacklevel=stacklevel)
+        return None
+    model = model or exchange.node_model(device)
+    if device is not None and torch.device(device).type == "cuda":
+        model = dataclasses.replace(model, tree=True)   # Horovod's allreduce of GPU tensors: NCCL's
+    return model
 
 
 def tensor_sizes(numel: Union[int, Sequence[int]]) -> List[int]:

@@ -1,6 +1,6 @@
 """``compression="auto"`` and the planner decide alike: fed one calibration file (links and each
 collective's fixed cost, codec speeds, compute time), the job's ``auto`` picks per bucket the codec
-and route that ``hvd_ext.plan`` predicts it would (simulated ranks, one node)."""
+and route that ``hvd_ext.plan`` predicts it would (simulated ranks, on one node and on two)."""
 from __future__ import annotations
 
 import json
@@ -20,13 +20,18 @@ COMPUTE = 0.02
 BUCKET = 512 * 1024
 
 
-def calibration_file(bandwidth: float, lat: float, alltoall: float) -> dict:
+def calibration_file(bandwidth: float, lat: float, alltoall: float, nodes: int = 1) -> dict:
+    """One node: ``bandwidth`` is the flat link's; two nodes of N/2 ranks: the inter-node link's, with
+    10 GB/s inside a node and a node's reduce-scatter timed inside a step."""
     idle = {"allreduce": lat, "allgather": 0.8 * lat, "alltoall": alltoall}
-    return {"version": 1, "ranks": N, "nodes": 1, "local": N, "device": "cpu", "compute_s": COMPUTE,
-            "links": {"flat": {"lat": lat, "bandwidth": bandwidth, "lat_by_kind": idle,
-                               "busy_lat_by_kind": {k: 2 * v for k, v in idle.items()}},
-                      "intra": {"alpha": lat / (2 * (N - 1)), "bandwidth": bandwidth}},
-            "codec": SPEED}
+    links = {"flat": {"lat": lat, "bandwidth": bandwidth, "lat_by_kind": idle,
+                      "busy_lat_by_kind": {k: 2 * v for k, v in idle.items()}},
+             "intra": {"alpha": lat / (2 * (N - 1)), "bandwidth": bandwidth}}
+    if nodes > 1:
+        links["intra"] = {"alpha": 1e-5, "bandwidth": 1e10, "busy_lat_by_kind": {"alltoall": 3e-4}}
+        links["inter"] = {"alpha": lat / 4, "bandwidth": bandwidth}
+    return {"version": 1, "ranks": N, "nodes": nodes, "local": N // nodes, "device": "cpu", "compute_s": COMPUTE,
+            "links": links, "codec": SPEED}
 
 
 def grads(steps: int):
@@ -54,7 +59,8 @@ def job_picks(monkeypatch, tmp_path, cal: dict) -> dict:
 
     monkeypatch.setattr(AutoTuner, "_time_codec_once", at_file_speed)
     monkeypatch.setattr(AutoTuner, "exchange_time", compute_only)
-    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,trial=0", grads(3), N, bucket_bytes=BUCKET)
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,trial=0", grads(3), N, bucket_bytes=BUCKET,
+                        ranks_per_node=cal["local"] if cal["nodes"] > 1 else 0)
     picks = []
     for r in runs:
         tuner = r.pipeline.auto
@@ -66,27 +72,33 @@ def job_picks(monkeypatch, tmp_path, cal: dict) -> dict:
     return picks[0]
 
 
-@pytest.mark.parametrize("bandwidth,lat,alltoall", [
-    (1e6, 1e-4, 1e-4), (3e6, 1e-4, 5e-3), (1e7, 2e-3, 1e-4), (1e9, 1e-4, 5e-3), (1e9, 2e-3, 1e-4),
-    (1e10, 2e-3, 1e-4)])
-def test_auto_in_the_job_picks_what_the_planner_predicts(monkeypatch, tmp_path, bandwidth, lat, alltoall):
+ONE_NODE = [(1e6, 1e-4, 1e-4), (3e6, 1e-4, 5e-3), (1e7, 2e-3, 1e-4), (1e9, 1e-4, 5e-3), (1e9, 2e-3, 1e-4),
+            (1e10, 2e-3, 1e-4)]
+TWO_NODES = [(1e6, 2e-3, 1e-4, 2), (1e7, 1e-4, 1e-4, 2), (1e9, 2e-3, 1e-4, 2), (1e10, 1e-4, 1e-4, 2)]
+
+
+def planned(cal: dict) -> dict:
+    return plan(list(SHAPES.values()), cluster=None, nodes=cal["nodes"], gpus_per_node=cal["local"], calibration=cal,
+                methods=[], breakeven_search=False, bucket_bytes=BUCKET, optimizer="none").auto_pick
+
+
+@pytest.mark.parametrize("case", ONE_NODE + TWO_NODES)
+def test_auto_in_the_job_picks_what_the_planner_predicts(monkeypatch, tmp_path, case):
     """Same calibration, same choice, bucket by bucket: the codec (dense on a fast link, fp16 or
     top-k where the link's latency or bandwidth costs) and the route (the sparse reduce-scatter's two
-    alltoalls against one allgather, as the file times each collective)."""
-    cal = calibration_file(bandwidth, lat, alltoall)
-    planned = plan(list(SHAPES.values()), cluster=None, nodes=1, calibration=cal, methods=[],
-                   breakeven_search=False, bucket_bytes=BUCKET, optimizer="none").auto_pick
-    assert job_picks(monkeypatch, tmp_path, cal) == planned
+    alltoalls against one allgather, as the file times each collective; across nodes, flat or
+    node-aware on the node links)."""
+    cal = calibration_file(*case)
+    assert job_picks(monkeypatch, tmp_path, cal) == planned(cal)
 
 
 def test_the_sweep_reaches_different_choices():
-    """The cases above are not one answer repeated: the planner's picks differ between them."""
-    seen = set()
-    for args in [(1e6, 1e-4, 1e-4), (3e6, 1e-4, 5e-3), (1e9, 1e-4, 5e-3), (1e9, 2e-3, 1e-4), (1e10, 2e-3, 1e-4)]:
-        p = plan(list(SHAPES.values()), cluster=None, nodes=1, calibration=calibration_file(*args), methods=[],
-                 breakeven_search=False, bucket_bytes=BUCKET, optimizer="none").auto_pick
-        seen.add(tuple(sorted(p.items())))
-    assert len(seen) == 5
+    """The cases above are not one answer repeated: the planner's picks differ between them, and
+    across nodes some buckets take the node-aware route and some the flat one."""
+    picks = [planned(calibration_file(*case)) for case in ONE_NODE + TWO_NODES]
+    assert len({tuple(sorted(p.items())) for p in picks}) >= 8
+    routes = {label.split("(")[1] for p in picks[len(ONE_NODE):] for label in p}
+    assert any(r.startswith("node:") for r in routes) and any(not r.startswith("node:") for r in routes)
 
 
 def test_collective_latencies_are_the_files_for_its_world_only():
