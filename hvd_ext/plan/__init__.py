@@ -157,15 +157,17 @@ def auto_row(shapes: Sequence[tuple], compute_s: float, c: Cluster, bucket_bytes
     total = sum(b.numel for _, b in some) or 1
     step = compute_s + sum(times[f] for times, f in zip(secs, fastest))
     slack = AUTO_OPTIONS["slack"].default
-    chosen, picks = [], {}
+    chosen, labels = [], []
     for b, (times, f) in enumerate(zip(secs, fastest)):
         k = most_accurate_within(times, f, slack * step * some[b][1].numel / total)
         route, cost_b = per_cand[k][b]
         chosen.append(cost_b)
-        label = f"{auto.candidate_specs[k]} ({route})"
-        picks[label] = picks.get(label, 0) + 1
+        labels.append(f"{auto.candidate_specs[k]} ({route})")
+    picks = {label: labels.count(label) for label in dict.fromkeys(labels)}
     note = "; ".join(f"{k}: {v} bucket{'s' * (v > 1)}" for k, v in picks.items())
-    return make_row("auto", "auto", "per bucket", chosen, compute_s, c, note), picks
+    row = make_row("auto", "auto", "per bucket", chosen, compute_s, c, note)
+    row.picks = labels
+    return row, picks
 
 
 def breakeven(speedup_at, lo: float = 1e6, hi: float = 1e12) -> Optional[float]:

@@ -103,7 +103,8 @@ class Row:
     """One method's prediction: ``label``, ``spec`` (None for Horovod's rows), ``route``, per step
     ``wire`` bytes per rank, ``nic`` bytes on the busiest link, ``exchange_s`` (link + codec time of
     all collectives) and ``step_s``; ``buckets``: the cost of each of the method's buckets (Horovod's:
-    of each tensor), ``groups``: of each collective as Horovod runs them, fused (:func:`fused_groups`)."""
+    of each tensor), ``groups``: of each collective as Horovod runs them, fused (:func:`fused_groups`);
+    ``picks``: ``auto``'s row only, each bucket's codec and route, ``"spec (route)"``."""
 
     label: str
     spec: Optional[str]
@@ -115,6 +116,7 @@ class Row:
     buckets: List[BucketCost] = field(repr=False, default_factory=list)
     groups: List[BucketCost] = field(repr=False, default_factory=list)
     note: str = ""
+    picks: List[str] = field(default_factory=list)
 
 
 def step_seconds(bucket_costs: Sequence[BucketCost], compute_s: float, codec_on_compute: bool) -> float:

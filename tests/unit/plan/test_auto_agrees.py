@@ -39,10 +39,11 @@ def grads(steps: int):
     return [[{n: torch.randn(*s, generator=g) for n, s in SHAPES.items()} for _ in range(N)] for _ in range(steps)]
 
 
-def job_picks(monkeypatch, tmp_path, cal: dict) -> dict:
-    """What the job's auto picks with ``cal`` as HVD_EXT_CALIBRATION: its codecs timed at the file's
-    speeds (their bytes are the real payloads), the step's compute the file's, and no exchange
-    measured before the decision (the in-job correction the planner has no input for)."""
+def job_picks(monkeypatch, tmp_path, cal: dict) -> list:
+    """What the job's auto picks per bucket (``"spec (route)"``, the same on every rank) with ``cal``
+    as HVD_EXT_CALIBRATION: its codecs timed at the file's speeds (their bytes are the real
+    payloads), the step's compute the file's, and no exchange measured before the decision (the
+    in-job correction the planner has no input for)."""
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(cal))
     monkeypatch.setenv(calibration.ENV, str(path))
@@ -61,13 +62,8 @@ def job_picks(monkeypatch, tmp_path, cal: dict) -> dict:
     monkeypatch.setattr(AutoTuner, "exchange_time", compute_only)
     runs = run_pipeline("auto:warmup=2,accuracy=relaxed,trial=0", grads(3), N, bucket_bytes=BUCKET,
                         ranks_per_node=cal["local"] if cal["nodes"] > 1 else 0)
-    picks = []
-    for r in runs:
-        tuner = r.pipeline.auto
-        picks.append({})
-        for b in r.pipeline.buckets:
-            label = f"{tuner.auto.candidate_specs[tuner.choice[b.index]]} ({b.route.name})"
-            picks[-1][label] = picks[-1].get(label, 0) + 1
+    picks = [[f"{r.pipeline.auto.auto.candidate_specs[r.pipeline.auto.choice[b.index]]} ({b.route.name})"
+              for b in r.pipeline.buckets] for r in runs]
     assert all(p == picks[0] for p in picks)
     return picks[0]
 
@@ -77,9 +73,10 @@ ONE_NODE = [(1e6, 1e-4, 1e-4), (3e6, 1e-4, 5e-3), (1e7, 2e-3, 1e-4), (1e9, 1e-4,
 TWO_NODES = [(1e6, 2e-3, 1e-4, 2), (1e7, 1e-4, 1e-4, 2), (1e9, 2e-3, 1e-4, 2), (1e10, 1e-4, 1e-4, 2)]
 
 
-def planned(cal: dict) -> dict:
+def planned(cal: dict) -> list:
+    """The planner's ``auto`` pick per bucket, in the optimizer's bucket order."""
     return plan(list(SHAPES.values()), cluster=None, nodes=cal["nodes"], gpus_per_node=cal["local"], calibration=cal,
-                methods=[], breakeven_search=False, bucket_bytes=BUCKET, optimizer="none").auto_pick
+                methods=[], breakeven_search=False, bucket_bytes=BUCKET, optimizer="none").row("auto").picks
 
 
 @pytest.mark.parametrize("case", ONE_NODE + TWO_NODES)
@@ -96,7 +93,7 @@ def test_the_sweep_reaches_different_choices():
     """The cases above are not one answer repeated: the planner's picks differ between them, and
     across nodes some buckets take the node-aware route and some the flat one."""
     picks = [planned(calibration_file(*case)) for case in ONE_NODE + TWO_NODES]
-    assert len({tuple(sorted(p.items())) for p in picks}) >= 8
+    assert len({tuple(sorted(p)) for p in picks}) >= 8
     routes = {label.split("(")[1] for p in picks[len(ONE_NODE):] for label in p}
     assert any(r.startswith("node:") for r in routes) and any(not r.startswith("node:") for r in routes)
 
