@@ -461,6 +461,8 @@ REPRODUCE = [
     "python benchmarks/plan_check.py --ranks 2 4 --rates 100mbit 300mbit 1gbit unshaped --nodes2x2 300mbit"
     "   # the planner, predicted / measured",
     "python benchmarks/plan_projections.py    # the planner to 1024 GPUs on the cited presets (docs/scale.md)",
+    "python benchmarks/auto_plan_check.py --ranks 2 4 --rates 100mbit 1gbit unshaped --nodes2x2 300mbit"
+    "   # auto in the job against the planner's prediction of it",
     "python benchmarks/wait_modes.py          # spin or sleep while waiting, where ranks share cores",
     "python benchmarks/balance.py             # adaptive:balance=1 against none with a slow rank, over seeds",
     "python benchmarks/delayed_average_sim.py # local SGD with its average left in flight, simulated (no ranks)",
