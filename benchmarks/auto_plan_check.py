@@ -135,8 +135,11 @@ def render(doc) -> str:
         for i, (a, b) in enumerate(zip(res["auto_picked"], res["plan_picked"])):
             alike, total = alike + (a == b), total + 1
             lines.append(f"| {res['ranks']} | {res['rate']} | {i} | `{a}` | `{b}` | {'yes' if a == b else 'no'} |")
+    kept = sum(res.get("auto_picked_at_end") == res["auto_picked"] for res in doc["results"])
     lines += ["", f"Alike on {alike} of {total} buckets.", "",
-              "Step time, auto (its first decision kept) and Horovod, measured in turns:", "",
+              f"Step time, auto and Horovod, measured in turns (auto's pick at the end of the turns was its first "
+              f"decision's in {kept} of {len(doc['results'])} worlds); predicted: the planner's rows, `auto`'s "
+              "with the planner's picks:", "",
               "| ranks | link | method | measured ms/step | predicted | pred/meas |", "|---|---|---|---|---|---|"]
     for res in doc["results"]:
         for row in res["rows"]:

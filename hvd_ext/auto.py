@@ -9,12 +9,14 @@ where it runs. One decision (:meth:`AutoTuner.evaluate`) is measure -> predict -
   ``lat`` and the bandwidth ``bw``, :mod:`hvd_ext.exchange.cost`); every candidate's encode and
   decode time on each bucket's current gradient; compute as the median step period minus the
   median exchange time. The ranks' mean of all of it, in one allreduce.
-* **predict** -- for bucket b and candidate c on the route r it would take
-  (:func:`hvd_ext.exchange.routes.choose_route`)::
+* **predict** -- for bucket b and candidate c on each route r it may take (flat, and across nodes
+  node-aware), priced as the planner prices it (:mod:`hvd_ext.exchange.bucket_cost`)::
 
-      t(b, c) = collectives(r) x lat + wire_bytes(r, payload(c, b), N) / bw + code_time(c, b, r)
+      t(b, c, r) = fixed cost of r's collectives + bytes on the busiest link / bandwidth + codec time
 
-  scaled by what chosen codecs measured against their prediction (``AutoTuner.calibration``).
+  (each collective's fixed cost a calibration file's where it timed them, else ``lat``; across
+  nodes the node links); the fastest route, scaled by what chosen codecs measured against their
+  prediction (``AutoTuner.calibration``).
 * **choose** -- candidates are listed most accurate first; a bucket takes the first whose time is
   within ``slack`` of the fastest's share of the predicted step. A change needs ``margin`` over the
   current choice (hysteresis against measurement noise).
@@ -49,6 +51,7 @@ Spec: ``auto:every=1000,warmup=5,accuracy=strict,bound=0.5,candidates=none,fp16,
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -505,10 +508,23 @@ class AutoTuner(Policy):
         links = node_links(pipe.exchange, device)
         if links is None:
             return None
+        if pipe.exchange.node_links_assumed:  # (HVD_EXT_NODE_LINKS=default, a transport not timed)
+            # a flat ring allreduce across nodes is bound by the NIC: it moves what the probe measured
+            links = dataclasses.replace(links, inter=dataclasses.replace(links.inter, bandwidth=self.link["bw"]))
         base, topo = self.probe_network(), pipe.exchange.topology()
         M, L = topo.cross_size, topo.local_size
         return Network(M, L, links.intra, links.inter, base.collective_lat, base.idle_lat,
                        calibration.node_latencies(calibration.from_env(), pipe.size, M, L), links.tree)
+
+    def network_report(self) -> Dict[str, Any]:
+        """What the last decision priced the routes on: nodes x ranks and each link's MB/s."""
+        net = self.network
+        if net is None:
+            return {}
+        out = {"nodes": net.nodes, "local": net.local, "MB_per_s": round(net.link().bandwidth / 1e6, 2)}
+        if net.nodes > 1:
+            out["intra_MB_per_s"] = round(net.intra.bandwidth / 1e6, 2)
+        return out
 
     def evaluate(self, reason: str) -> None:
         """One decision: measure (link, codecs, compute: the ranks' mean) -> predict every candidate on
@@ -658,6 +674,7 @@ class AutoTuner(Policy):
                                "predicted_ms": round(predicted * 1e3, 3),
                                "measured_before_ms": None if measured is None else round(measured * 1e3, 3),
                                "link": {"latency_ms": round(m.lat * 1e3, 4), "MB_per_s": round(m.bw / 1e6, 2)},
+                               "network": self.network_report(),
                                "compute_ms": round(m.compute * 1e3, 3),
                                "predicted_ms_per_candidate": table,
                                "calibration": self._calibration_report(),

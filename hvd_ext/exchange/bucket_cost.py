@@ -67,6 +67,11 @@ class BucketCost:
         return self.link_s + self.code
 
 
+def over(nbytes: float, link: LinkModel) -> float:
+    """Seconds ``link`` takes for ``nbytes``: none for nothing (one rank, whose probe measured no bandwidth)."""
+    return nbytes / link.bandwidth if nbytes > 0 else 0.0
+
+
 def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, net: Network,
               sizes_known: bool = True, rounds: int = 1, later: float = 0.0, fuse: Optional[str] = None,
               collectives: Optional[tuple] = None) -> BucketCost:
@@ -75,7 +80,7 @@ def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, net
     once backward is over (:mod:`hvd_ext.exchange.routes.allreduce`), carrying ``later`` of the
     ``payload`` bytes (``Compressor.round_bytes``): both are the bucket's ``tail_s``. ``collectives``:
     one round's collectives where they are not the route's own (hvd_ext's half-precision sum:
-    :func:`hvd_ext.plan.model.half_sum_collectives`), each N-1 messages. ``fuse``: the dtype of the first
+    :func:`hvd_ext.exchange.routes.flat_terms`), each N-1 messages. ``fuse``: the dtype of the first
     collective, if Horovod may fuse it with the next ones (an allreduce or a gather of known sizes,
     :func:`hvd_ext.plan.model.fused_groups`)."""
     N, L = net.size, net.local
@@ -95,9 +100,9 @@ def flat_cost(kind: str, numel: int, payload: float, enc: float, dec: float, net
     if net.collective_lat:
         lat = collective_seconds(kinds, net.collective_lat, net.idle_lat)
         tail = lat - collective_seconds(kinds[:len(kinds) // rounds], net.collective_lat, net.idle_lat)
-    link_s = lat + nic / link.bandwidth
+    link_s = lat + over(nic, link)
     tail_lat = tail
-    tail += nic * later / payload / link.bandwidth if payload > 0 else 0.0
+    tail += over(nic * later / payload, link) if payload > 0 else 0.0
     # Horovod fuses an allreduce (its first round's bytes) or an allgather (its output), not an alltoall
     first = kinds[0]
     key = f"{first}/{fuse}" if fuse and first in ("allreduce", "allgather") else None
@@ -124,6 +129,6 @@ def node_aware_cost(inner: str, numel: int, payload: float, enc: float, dec: flo
         intra_lat = net.intra_lat["alltoall"] + (L - 1) * net.intra.alpha
     wire, code = route_wire_and_code(inner, M, payload / L, enc / L, dec / L)
     nic = L * wire
-    link_s = intra_lat + intra_wire / net.intra.bandwidth + lat + nic / net.inter.bandwidth
+    link_s = intra_lat + over(intra_wire, net.intra) + lat + over(nic, net.inter)
     return BucketCost(numel, intra_wire + wire, nic, intra_lat + lat, code, link_s,
                       fuse=f"allreduce/{fuse}" if fuse else None, fuse_bytes=D)

@@ -115,7 +115,8 @@ def collective_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optio
     """``(first, then)``: the fixed seconds of each collective over this world, as a bucket's first
     one pays it (inside a step, waiting for the slowest rank: ``busy_lat_by_kind`` where timed, else
     ``lat_by_kind``) and as a later one does (the ranks together: ``lat_by_kind``), if ``cal`` timed
-    them on a world of ``ranks`` (of ``nodes`` x ``local``, where given); else None. The planner and
+    them on a world of ``ranks`` (of ``nodes`` x ``local``, where given), a kind it did not time at
+    its flat allreduce's latency; else None. The planner and
     ``compression="auto"`` both price a bucket's collectives with these
     (:func:`hvd_ext.exchange.cost.collective_seconds`)."""
     if not cal or int(cal.get("ranks", -1)) != ranks:
@@ -123,9 +124,12 @@ def collective_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optio
     if nodes is not None and (cal.get("nodes"), cal.get("local")) != (nodes, local):
         return None
     flat = cal.get("links", {}).get("flat", {})
-    then = dict(flat.get("lat_by_kind") or {})
-    first = {**then, **(flat.get("busy_lat_by_kind") or {})}
-    return (first, then) if first else None
+    idle, busy = flat.get("lat_by_kind") or {}, flat.get("busy_lat_by_kind") or {}
+    if not idle and not busy:
+        return None
+    lat = flat.get("lat", max([*idle.values(), *busy.values()]))  # for a kind the file did not time
+    then = {k: idle.get(k, lat) for k in COLLECTIVES} if idle else {}
+    return {**(then or dict.fromkeys(COLLECTIVES, lat)), **busy}, then
 
 
 def node_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optional[int] = None,

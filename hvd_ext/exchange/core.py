@@ -60,6 +60,7 @@ from .transport import (BROADCAST_DTYPES, HorovodTransport, NodeGroupsUnavailabl
                         offsets)
 
 _HDR = 8  # flags + count
+ASSUMED_NODE_LINKS = "cost model defaults"  # Exchange.node_links["source"] of links not measured
 
 
 def _pad4(n: int) -> int:
@@ -309,7 +310,7 @@ class Exchange:
                 self.node_links = dict(probe.describe(self._node_model), source="measured",
                                        probe_s=round(r["seconds"], 3))
             else:
-                self.use_node_model(cost.NodeModel(), "cost model defaults")
+                self.use_node_model(cost.NodeModel(), ASSUMED_NODE_LINKS)
         return self._node_model
 
     def forget_nodes(self) -> None:
@@ -319,6 +320,11 @@ class Exchange:
         forget_node_groups(group)
         probe.MEASURED.pop(id(getattr(self.transport, "process_set", None)), None)
         self._node, self._node_model, self.node_links = None, None, {}
+
+    @property
+    def node_links_assumed(self) -> bool:
+        """The node links are the cost model's defaults, not measured or calibrated."""
+        return self.node_links.get("source") == ASSUMED_NODE_LINKS
 
     def use_node_model(self, model: "cost.NodeModel", source: str = "given") -> None:
         """Take ``model`` as the node links instead of measuring them (a replay of a measured run)."""

@@ -506,3 +506,35 @@ def test_a_codecs_allreduce_rounds_are_priced(monkeypatch):
     one, two = (predict(tuner, "allreduce", 100, 400.0, 0.0, 0.0, r) for r in (1, 2))
     assert two - one == pytest.approx(1e-3)
     assert one == pytest.approx(1e-3 + cost.allreduce_wire(400.0, 2) / 1e6)
+
+
+def test_assumed_node_links_move_what_the_probe_measured(monkeypatch):
+    """Across nodes whose links were not measured (the cost model's defaults: 10 Gbit/s between the
+    nodes), auto prices the link between the nodes at the bandwidth its own probe measured, so a slow
+    link makes it compress as on one node; the decision log says what it priced on."""
+    def probe(self):
+        wire = cost.allreduce_wire(4.0 * 256 * 1024, self.pipe.size)
+        return {"lat": 1e-5, "large": 1e-5 + wire / 1e6, "wire": wire}  # 1 MB/s
+
+    monkeypatch.setattr(AutoTuner, "_probe_link", probe)
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,trial=0", _grads(3, 4), 4, ranks_per_node=2)
+    for r in runs:
+        assert r.exchange.node_links_assumed
+        d = r.pipeline.auto.decisions[0]
+        assert d["network"]["nodes"] == 2 and d["network"]["MB_per_s"] == pytest.approx(1.0, rel=1e-3)
+        assert "none" not in r.pipeline.auto.report()["choice"]
+
+
+def test_one_rank_decides_with_nothing_on_the_wire(monkeypatch):
+    """A one-rank world (an elastic job down to one worker): the probe moves no bytes, so it measures
+    no bandwidth; auto still decides (nothing on the wire costs nothing) and keeps every bucket whole."""
+    def probe(self):
+        return {"lat": 1e-5, "large": 2e-5, "wire": cost.allreduce_wire(4.0 * 256 * 1024, self.pipe.size)}
+
+    monkeypatch.setattr(AutoTuner, "_probe_link", probe)
+    grads = _grads(4, 1)
+    r = run_pipeline("auto:warmup=2,accuracy=relaxed,trial=0", grads, 1)[0]
+    assert r.pipeline.auto.decisions and r.pipeline.auto.link["bw"] == 0.0
+    for step in range(4):
+        for n in NAMES:
+            torch.testing.assert_close(r.results[step][n], grads[step][0][n])

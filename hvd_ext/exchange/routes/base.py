@@ -23,17 +23,21 @@ from ..transport import offsets, split_sizes
 
 def segments(sizes: List[int], parts: int) -> List[List[Tuple[int, int, int]]]:
     """For each shard j: [(tensor index, start, end)] -- the pieces of the tensors (flat ranges)
-    that fall in shard j when the tensors of ``sizes`` are concatenated and cut into ``parts``."""
+    that fall in shard j when the tensors of ``sizes`` are concatenated and cut into ``parts``. One
+    sweep over shards and tensors together (both in order): linear in ``parts`` + tensors."""
     total = sum(sizes)
-    bounds = offsets(split_sizes(total, parts))
     starts = [a for a, _ in offsets(sizes)]
     out: List[List[Tuple[int, int, int]]] = []
-    for lo, hi in bounds:
-        segs = []
-        for i, (s, n) in enumerate(zip(starts, sizes)):
-            a, b = max(lo, s), min(hi, s + n)
+    first = 0  # the first tensor that does not end before the current shard
+    for lo, hi in offsets(split_sizes(total, parts)):
+        while first < len(sizes) and starts[first] + sizes[first] <= lo:
+            first += 1
+        segs, i = [], first
+        while i < len(sizes) and starts[i] < hi:
+            a, b = max(lo, starts[i]), min(hi, starts[i] + sizes[i])
             if a < b:
-                segs.append((i, a - s, b - s))
+                segs.append((i, a - starts[i], b - starts[i]))
+            i += 1
         out.append(segs)
     return out
 

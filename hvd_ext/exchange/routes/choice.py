@@ -106,9 +106,13 @@ def gathered_sizes(comp: Compressor, shapes: Sequence[tuple], step: int = STEADY
 def recoded_sizes_known(comp: Compressor, shapes: Sequence[tuple], parts: int, step: int = STEADY_STEP) -> bool:
     """Whether the two-phase route's second phase (owners' re-coded shards) is an allgather of sizes
     every rank knows: ``Compressor.payload_size(recoded=True)`` of every owner segment
-    (:func:`hvd_ext.exchange.routes.base.segments`), as the route asks it; else an alltoall."""
-    shards = segments([math.prod(s) for s in shapes], parts)
-    return all(recoded_size(comp, i, a, b, step) is not None for shard in shards for i, a, b in shard)
+    (:func:`hvd_ext.exchange.routes.base.segments`), as the route asks it; else an alltoall. A size
+    follows from a segment's length and the step, so each length is asked once (N segments at N ranks)."""
+    by_length = {}
+    for shard in segments([math.prod(s) for s in shapes], parts):
+        for i, a, b in shard:
+            by_length.setdefault(b - a, (i, a, b))
+    return all(recoded_size(comp, i, a, b, step) is not None for i, a, b in by_length.values())
 
 
 def recoded_size(comp: Compressor, i: int, a: int, b: int, step: int = STEADY_STEP) -> Optional[int]:

@@ -110,3 +110,15 @@ def test_collective_latencies_are_the_files_for_its_world_only():
     assert calibration.collective_latencies(cal, N) == (then, then)   # untimed inside a step: the idle figure
     del cal["links"]["flat"]["lat_by_kind"]
     assert calibration.collective_latencies(cal, N) is None
+
+
+def test_a_collective_the_file_did_not_time_costs_its_flat_allreduce_latency():
+    """A file that timed some kinds only (written by hand, or by an older --measure): the others cost
+    the flat allreduce's latency, for the planner and for auto alike."""
+    cal = calibration_file(1e8, 1e-3, 4e-3)
+    cal["links"]["flat"]["lat_by_kind"] = {"allreduce": 2e-3}
+    cal["links"]["flat"]["busy_lat_by_kind"] = {"alltoall": 5e-3}
+    first, then = calibration.collective_latencies(cal, N)
+    assert then == {"allreduce": 2e-3, "allgather": 1e-3, "alltoall": 1e-3}
+    assert first == {"allreduce": 2e-3, "allgather": 1e-3, "alltoall": 5e-3}
+    assert len(planned(cal)) == len(planned(calibration_file(1e8, 1e-3, 4e-3)))  # priced (was a KeyError)
