@@ -104,23 +104,10 @@ def main(argv=None):
     common.refuse_if_loaded(args)
     machine = common.machine_info()
     load = common.loadavg()
-    results = []
-
-    def world(label: str, link: str, stem: str, launch: list):
-        res = common.run_worker(__file__, "auto_plan_check_logs", stem, launch, common.worker_args(args), label)
-        if res is None:
-            return
-        res.update(rate=link, loadavg_end=common.loadavg())
-        results.append(res)
-        same = sum(a == b for a, b in zip(res["auto_picked"], res["plan_picked"]))
-        print(f"{label}: auto picked {res['auto_picked']}, the planner {res['plan_picked']} "
-              f"({same} of {len(res['plan_picked'])} buckets alike)")
-
-    for n, rate, launch in common.flat_worlds(args.ranks, args.rates):
-        world(f"np {n} {rate}", rate, f"np{n}_{rate}", launch)
-    for rate in args.nodes2x2:  # the testbed's nodes share this machine's cores (plan_check.py: why)
-        world(f"2x2 {rate}", f"2 nodes x 2, inter {rate}", f"2x2_{rate}",
-              ["env", "HVD_EXT_WAIT=sleep"] + common.two_nodes_launcher(rate))
+    results = common.run_worlds(__file__, "auto_plan_check_logs", args, lambda res: (
+        f"auto picked {res['auto_picked']}, the planner {res['plan_picked']} "
+        f"({sum(a == b for a, b in zip(res['auto_picked'], res['plan_picked']))} of {len(res['plan_picked'])} "
+        "buckets alike)"))
     common.save_results(args.out, common.results_doc("auto_plan_check.py", argv, machine, load, results), render)
 
 

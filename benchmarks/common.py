@@ -262,6 +262,32 @@ def run_worker(script: str, logs: str, stem: str, launch: List[str], worker_args
     return json.loads(out.read_text())
 
 
+TESTBED_NODES_WAIT = "sleep"  # HVD_EXT_WAIT of the 2 nodes x 2 worlds (run_worlds: why)
+
+
+def run_worlds(script: str, logs: str, args, summary: Callable[[Dict], str]) -> List[Dict]:
+    """One job per world of ``args`` (``--ranks`` x ``--rates`` on one node, then 2 nodes x 2 ranks at
+    each ``--nodes2x2`` rate), each running ``script --worker`` (:func:`run_worker`): their results,
+    each with its link and the load at its end, and ``summary(result)`` printed. The 2-node worlds set
+    ``HVD_EXT_WAIT`` to :data:`TESTBED_NODES_WAIT`: the testbed's nodes share this machine's cores,
+    which a rank cannot see (each node is a host of its own), so hvd_ext's ranks wait as on a node
+    with more ranks than cores."""
+    worlds = [(f"np {n} {rate}", rate, f"np{n}_{rate}", launch)
+              for n, rate, launch in flat_worlds(args.ranks, args.rates)]
+    worlds += [(f"2x2 {rate}", f"2 nodes x 2, inter {rate}", f"2x2_{rate}",
+                ["env", f"HVD_EXT_WAIT={TESTBED_NODES_WAIT}"] + two_nodes_launcher(rate))
+               for rate in getattr(args, "nodes2x2", [])]
+    results = []
+    for label, link, stem, launch in worlds:
+        res = run_worker(script, logs, stem, launch, worker_args(args), label)
+        if res is None:
+            continue
+        res.update(rate=link, loadavg_end=loadavg())
+        results.append(res)
+        print(f"{label}: {summary(res)}")
+    return results
+
+
 def results_doc(script: str, argv: Optional[List[str]], machine: Dict, load, results: List[Dict]) -> Dict:
     """A benchmark's results file: the machine, its load at the start, the results and the command."""
     return {"machine": machine, "loadavg_start": load, "results": results,

@@ -48,7 +48,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TESTBED_NODES_WAIT = "sleep"  # HVD_EXT_WAIT of the 2 nodes x 2 worlds (main(): why)
 # measured name -> (planner row label, route)
 METHODS = {
     "horovod": ("horovod", "allreduce"),
@@ -187,26 +186,12 @@ def main(argv=None):
     common.refuse_if_loaded(args)
     machine = common.machine_info()  # with the load at the start, before our own ranks add to it
     load = common.loadavg()
-    results = []
 
-    def world(label: str, link: str, stem: str, launch: list):
-        """One job: ``launch`` (testbed + launcher prefix) runs the worker; its result joins ``results``."""
-        res = common.run_worker(__file__, "plan_check_logs", stem, launch, common.worker_args(args), label)
-        if res is None:
-            return
-        res.update(rate=link, loadavg_end=common.loadavg())
-        results.append(res)
+    def summary(res) -> str:
         ratios = [row["step_ratio"] for row in res["rows"]]
-        print(f"{label}: predicted/measured step median {statistics.median(ratios):.2f} "
-              f"[{min(ratios):.2f}, {max(ratios):.2f}]")
+        return f"predicted/measured step median {statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]"
 
-    for n, rate, launch in common.flat_worlds(args.ranks, args.rates):
-        world(f"np {n} {rate}", rate, f"np{n}_{rate}", launch)
-    for rate in args.nodes2x2:  # 2 nodes x 2 ranks, the inter-node links shaped to ``rate``
-        # The testbed's two nodes share this machine's cores, which a rank cannot see (each node is a
-        # host of its own): tell hvd_ext's ranks to wait as on a node with more ranks than cores.
-        world(f"2x2 {rate}", f"2 nodes x 2, inter {rate}", f"2x2_{rate}",
-              ["env", f"HVD_EXT_WAIT={TESTBED_NODES_WAIT}"] + common.two_nodes_launcher(rate))
+    results = common.run_worlds(__file__, "plan_check_logs", args, summary)
     common.save_results(args.out, common.results_doc("plan_check.py", argv, machine, load, results), render)
 
 
@@ -262,6 +247,8 @@ def rescore(paths) -> str:
 
 
 def render(doc) -> str:
+    from common import TESTBED_NODES_WAIT
+
     lines = ["# The planner against the testbed", "",
              f"`{doc['command']}`; load at start {doc['loadavg_start']}. The main job's CNN "
              "(MNIST-1D, batch 64 per rank), one job per world; every prediction from the calibration "
