@@ -611,12 +611,12 @@ class AutoTuner(Policy):
         node = net.nodes > 1 and node_aware_reason(c, pipe.exchange) is None
         best = None
         for kind in flat + ([NODE_PREFIX + k for k in flat] if node else []):
-            inner = kind[len(NODE_PREFIX):] if kind.startswith(NODE_PREFIX) else kind
+            across = kind.startswith(NODE_PREFIX)  # the inner route over the nodes, on a node's shards
+            inner = kind[len(NODE_PREFIX):] if across else kind
             pay = nbytes
             if inner == "sparse_rs" and priced_as_pairs(c):  # its pairs travel, not the codec's payload
-                pay = route_payload(c, inner, numels, net.nodes, net.local) if inner != kind else \
-                    route_payload(c, inner, numels, pipe.size)
-            terms = {} if inner != kind else flat_terms(c, shapes, kind, pipe.size, dev.type, pipe.step)
+                pay = route_payload(c, inner, numels, *((net.nodes, net.local) if across else (pipe.size,)))
+            terms = {} if across else flat_terms(c, shapes, kind, pipe.size, dev.type, pipe.step)
             t = self.predict(kind, numel, pay, enc, dec, **terms)
             if best is None or t < best[1] - 1e-15:
                 best = (kind, t)

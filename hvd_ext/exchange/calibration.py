@@ -104,10 +104,19 @@ def node_model(cal: Optional[Dict[str, Any]]) -> Optional[NodeModel]:
 
 def flat_link(cal: Optional[Dict[str, Any]], ranks: int) -> Optional[Dict[str, float]]:
     """``{"lat", "bandwidth"}`` of this world's allreduce, if ``cal`` measured a world of ``ranks``."""
-    if not cal or int(cal.get("ranks", -1)) != ranks or "flat" not in cal.get("links", {}):
+    if not timed_here(cal, ranks) or "flat" not in cal.get("links", {}):
         return None
     flat = cal["links"]["flat"]
     return {"lat": flat["lat"], "bandwidth": flat["bandwidth"]}
+
+
+def timed_here(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optional[int] = None,
+               local: Optional[int] = None) -> bool:
+    """Whether ``cal`` was measured on a world of ``ranks`` (of ``nodes`` x ``local``, where given):
+    only there do its collectives' timings hold."""
+    if not cal or int(cal.get("ranks", -1)) != ranks:
+        return False
+    return nodes is None or (cal.get("nodes"), cal.get("local")) == (nodes, local)
 
 
 def collective_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optional[int] = None,
@@ -119,9 +128,7 @@ def collective_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optio
     its flat allreduce's latency; else None. The planner and
     ``compression="auto"`` both price a bucket's collectives with these
     (:func:`hvd_ext.exchange.cost.collective_seconds`)."""
-    if not cal or int(cal.get("ranks", -1)) != ranks:
-        return None
-    if nodes is not None and (cal.get("nodes"), cal.get("local")) != (nodes, local):
+    if not timed_here(cal, ranks, nodes, local):
         return None
     flat = cal.get("links", {}).get("flat", {})
     idle, busy = flat.get("lat_by_kind") or {}, flat.get("busy_lat_by_kind") or {}
@@ -137,8 +144,6 @@ def node_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optional[in
     """The fixed seconds of each collective of a node's ranks timed inside a step
     (``links.intra.busy_lat_by_kind``: the node-aware route's first collective pays it), if ``cal``
     timed them on this world (as :func:`collective_latencies`); else empty."""
-    if not cal or int(cal.get("ranks", -1)) != ranks:
-        return {}
-    if nodes is not None and (cal.get("nodes"), cal.get("local")) != (nodes, local):
+    if not timed_here(cal, ranks, nodes, local):
         return {}
     return dict(cal.get("links", {}).get("intra", {}).get("busy_lat_by_kind") or {})
