@@ -52,7 +52,6 @@ Spec: ``auto:every=1000,warmup=5,accuracy=strict,bound=0.5,candidates=none,fp16,
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -66,9 +65,9 @@ from .compression.base import Compressor, Continue, TensorInfo
 from .compression.common import COMMON_ALIASES, COMMON_OPTIONS
 from .exchange import calibration, cost
 from .exchange.probe import best_time
-from .exchange.bucket_cost import Network, flat_cost, node_aware_cost
-from .exchange.routes import (NODE_PREFIX, TensorRecord, flat_record, flat_routes, flat_terms, node_aware_reason,
-                              node_links, priced_as_pairs, route_payload)
+from .exchange.bucket_cost import Network
+from .exchange.routes import (TensorRecord, bucket_routes, fastest_route, flat_record, node_aware_reason, node_links,
+                              route_cost)
 from .ops.device import Timer
 from .options import Option, resolve_options
 from .policy import CONTEND, SETTLE, Policy, median, ranks_mean
@@ -478,25 +477,19 @@ class AutoTuner(Policy):
         return outs, enc, dec, float(nbytes)
 
     # ---- deciding --------------------------------------------------------------------------
-    def predict(self, kind: str, numel: int, payload: float, enc: float, dec: float, rounds: int = 1,
-                collectives: Optional[tuple] = None, sizes_known: bool = True) -> float:
-        """A bucket's exchange seconds on route ``kind`` over :attr:`network`, priced as the planner
-        prices it (:func:`hvd_ext.exchange.bucket_cost.flat_cost` / ``node_aware_cost``): its
-        collectives one after another (``rounds``, ``collectives``, ``sizes_known``:
-        :func:`hvd_ext.exchange.routes.flat_terms`), the bytes on the busiest link and the codec
-        passes."""
+    def predict(self, c: Compressor, kind: str, shapes: List[tuple], payload: float, enc: float, dec: float,
+                device_type: str) -> float:
+        """Candidate ``c``'s exchange seconds on route ``kind`` for a bucket of ``shapes`` over
+        :attr:`network`, priced as the planner prices it (:func:`hvd_ext.exchange.routes.route_cost`):
+        its collectives one after another, the bytes on the busiest link and the codec passes."""
         net = self.network or self.probe_network()
-        if kind.startswith(NODE_PREFIX):
-            return node_aware_cost(kind[len(NODE_PREFIX):], numel, payload, enc, dec, net).seconds
-        return flat_cost(kind, numel, payload, enc, dec, net, sizes_known, rounds, collectives=collectives).seconds
+        return route_cost(c, kind, shapes, payload, enc, dec, net, device_type, self.pipe.step).seconds
 
     def probe_network(self) -> Network:
         """One flat link: the probe's (or the calibration's) latency and bandwidth, each collective's
         fixed cost the calibration's where it timed them, else the probe's allreduce latency."""
-        N = self.pipe.size
         first, then = self.link.get("by_kind") or ({k: self.link["lat"] for k in calibration.COLLECTIVES}, {})
-        flat = cost.LinkModel(alpha=self.link["lat"] / max(2 * (N - 1), 1), bandwidth=self.link["bw"])
-        return Network(1, N, flat, flat, first, then)
+        return Network.one_link(self.pipe.size, self.link["lat"], self.link["bw"], first, then)
 
     def node_network(self, device) -> Optional[Network]:
         """Across nodes, where a candidate's node-aware route can run
@@ -585,7 +578,7 @@ class AutoTuner(Policy):
             numel = sum(p.numel() for p in b.params)
             times, kinds, per = [], [], {}
             for ci, (c, measured) in enumerate(zip(cands, row)):
-                kind, t = self._route(c, b, numel, *measured)
+                kind, t = self._route(c, b, *measured)
                 kinds.append(kind)
                 times.append(t)
                 per[self.auto.candidate_specs[ci]] = round(t * 1e3, 4)
@@ -599,28 +592,18 @@ class AutoTuner(Policy):
             f.fastest = fastest_candidate(f.times, self.dense_index(self.auto))
         return forecasts, table
 
-    def _route(self, c: Compressor, b, numel: int, enc: float, dec: float, nbytes: float) -> Tuple[str, float]:
+    def _route(self, c: Compressor, b, enc: float, dec: float, nbytes: float) -> Tuple[str, float]:
         """Candidate ``c``'s route on bucket ``b`` and its predicted seconds there: of the routes it may
-        take (:func:`hvd_ext.exchange.routes.flat_routes`, and their node-aware forms where one can
-        run), the one :meth:`predict` finds fastest (the first listed on ties), as the planner's
-        ``auto`` row takes it (:func:`hvd_ext.plan.auto_row`)."""
-        pipe, net = self.pipe, self.network
+        take (:func:`hvd_ext.exchange.routes.bucket_routes`: node-aware ones where they can run), the one
+        :meth:`predict` finds fastest (the first listed on ties), as the planner's ``auto`` row takes it
+        (:func:`hvd_ext.plan.auto_row`)."""
+        pipe = self.pipe
         shapes, dev = [tuple(p.shape) for p in b.params], b.params[0].device
-        numels = [math.prod(s) for s in shapes]
-        flat = flat_routes(c) if pipe.size > 1 else ["allreduce" if c.collective == "allreduce" else "allgather"]
-        node = net.nodes > 1 and node_aware_reason(c, pipe.exchange) is None
-        best = None
-        for kind in flat + ([NODE_PREFIX + k for k in flat] if node else []):
-            across = kind.startswith(NODE_PREFIX)  # the inner route over the nodes, on a node's shards
-            inner = kind[len(NODE_PREFIX):] if across else kind
-            pay = nbytes
-            if inner == "sparse_rs" and priced_as_pairs(c):  # its pairs travel, not the codec's payload
-                pay = route_payload(c, inner, numels, *((net.nodes, net.local) if across else (pipe.size,)))
-            terms = {} if across else flat_terms(c, shapes, kind, pipe.size, dev.type, pipe.step)
-            t = self.predict(kind, numel, pay, enc, dec, **terms)
-            if best is None or t < best[1] - 1e-15:
-                best = (kind, t)
-        return best
+        node = self.network.nodes > 1 and node_aware_reason(c, pipe.exchange) is None
+        times = {kind: self.predict(c, kind, shapes, nbytes, enc, dec, dev.type)
+                 for kind in bucket_routes(c, pipe.size, node)}
+        best = fastest_route(times)
+        return best, times[best]
 
     def _choose(self, forecasts: List[Forecast], compute: float) -> Tuple[List[int], List[str], float]:
         """Per bucket the most accurate candidate within ``slack`` of the predicted step (candidates are

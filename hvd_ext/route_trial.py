@@ -3,7 +3,7 @@ the cost model cannot tell which is faster, and the shorter step period wins.
 
 The node-aware exchange (dense inside a node, compressed across nodes) is chosen per bucket
 from an alpha-beta model of the two links (:mod:`hvd_ext.exchange.probe` measures them,
-:func:`hvd_ext.exchange.cost.choose_hierarchy` predicts each route). The model leaves out what
+:func:`hvd_ext.exchange.routes.route_options` prices each route). The model leaves out what
 decides on a busy machine -- CPU contention between the ranks of a node, skew, Python costs --
 and identical runs differ by more than its margins (``compare_nodes_repeat`` in
 benchmarks/RESULTS.md). So, as ``compression="auto"``

@@ -46,6 +46,15 @@ class Network:
         """The link a flat collective is bound by: the NIC across nodes, else the node's own link."""
         return self.inter if self.nodes > 1 else self.intra
 
+    @classmethod
+    def one_link(cls, size: int, lat: float, bandwidth: float, first: Optional[Dict[str, float]] = None,
+                 then: Optional[Dict[str, float]] = None) -> "Network":
+        """``size`` ranks on one link whose allreduce costs ``lat`` fixed seconds (alpha: ``lat`` over
+        its 2(N-1) ring messages) and moves ``bandwidth`` bytes/s; ``first`` / ``then``: each
+        collective's measured fixed seconds, as :attr:`collective_lat` / :attr:`idle_lat`."""
+        link = LinkModel(alpha=lat / max(2 * (size - 1), 1), bandwidth=bandwidth)
+        return cls(1, size, link, link, dict(first or {}), dict(then or {}))
+
 
 @dataclass
 class BucketCost:

@@ -23,7 +23,9 @@ Format (JSON)::
 Set ``HVD_EXT_CALIBRATION=path`` for a job: ``auto`` then takes the flat link and each collective's
 fixed cost (:func:`collective_latencies`) from the file instead of probing them (when the file's
 rank count is the job's), and the node-aware route choice takes the intra / inter links from it
-instead of measuring them. Codec times ``auto`` still measures on the job's own buckets.
+instead of measuring them. A fixed codec's route choice (:func:`hvd_ext.exchange.routes.route_options`)
+prices with the same links and fixed costs, and with the codec's speed in the file. Codec times
+``auto`` still measures on the job's own buckets.
 """
 from __future__ import annotations
 
@@ -137,6 +139,13 @@ def collective_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optio
     lat = flat.get("lat", max([*idle.values(), *busy.values()]))  # for a kind the file did not time
     then = {k: idle.get(k, lat) for k in COLLECTIVES} if idle else {}
     return {**(then or dict.fromkeys(COLLECTIVES, lat)), **busy}, then
+
+
+def codec_speed(cal: Optional[Dict[str, Any]], *keys: str) -> Optional[float]:
+    """Elements per second of one encode or decode pass the file timed for the first of ``keys`` it
+    lists (a spec, then its family), or None."""
+    speeds = (cal or {}).get("codec", {})
+    return next((float(speeds[k]) for k in keys if k in speeds), None)
 
 
 def node_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optional[int] = None,

@@ -22,9 +22,7 @@ allgather      N-1 (ring)                (N-1) x C            n + N x n (decode 
 twophase       (N-1) + (N-1)             2(N-1)/N x C         2n + 2n (shards)
 =============  ========================  ===================  ======================
 
-``choose_exchange`` evaluates the model for the candidates and returns the
-cheapest; it depends only on N, sizes and the model's constants, so every
-rank gets the same answer. ``project`` tabulates the model up to N = 1024.
+``project`` tabulates the model up to N = 1024.
 
 Nodes (M nodes of L ranks, N = M L): a node's L ranks share one inter-node
 link (its NIC); inside a node the link is fast (NVLink, shared memory). A
@@ -42,17 +40,17 @@ gradients):
   L shards, L x the inner per-rank bytes (so 2(M-1)/M x C for two-phase:
   a factor L below flat).
 
-``predict_flat`` / ``predict_node_aware`` evaluate both with a
-:class:`NodeModel` (an intra and an inter :class:`LinkModel`);
-``choose_hierarchy`` compares them. On GPUs (``NodeModel.tree``) an allreduce
-across nodes pays the latency of NCCL's trees where it is below the ring's
-(:func:`tree_allreduce_latency`).
+:mod:`.bucket_cost` prices a bucket on both, over a :class:`NodeModel`'s
+links (an intra and an inter :class:`LinkModel`), for ``compression="auto"``,
+the fixed codecs' route choice and the planner alike. On GPUs
+(``NodeModel.tree``) an allreduce across nodes pays the latency of NCCL's
+trees where it is below the ring's (:func:`tree_allreduce_latency`).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, List, Sequence
 
 
 def allreduce_wire(nbytes: float, n: int) -> float:
@@ -138,18 +136,6 @@ def predict(exchange: str, n_elems: int, compressed_bytes: float, size: int, lin
     return link.time(c["messages"], c["wire"], c["coded"])
 
 
-def choose_exchange(candidates: Iterable[str], n_elems: int, compressed_bytes: float, size: int,
-                    link: LinkModel = None) -> str:
-    """The candidate with the least predicted time (ties: the first listed)."""
-    link = link or LinkModel()
-    best, best_t = None, None
-    for ex in candidates:
-        t = predict(ex, n_elems, compressed_bytes, size, link)
-        if best_t is None or t < best_t - 1e-15:
-            best, best_t = ex, t
-    return best
-
-
 def project(n_elems: int, compressed_bytes: float, sizes: List[int], link: LinkModel = None) -> List[Dict[str, float]]:
     """Predicted seconds and wire bytes per rank for every exchange at each N in ``sizes``."""
     link = link or LinkModel()
@@ -188,65 +174,3 @@ class NodeModel:
             self.intra = LinkModel(alpha=5e-6, bandwidth=10e9)
         if self.inter is None:
             self.inter = LinkModel()
-
-
-def _best(candidates: Iterable[str], n_elems: int, compressed_bytes: float, size: int,
-          time_of) -> tuple:
-    best, best_t = None, None
-    for ex in candidates:
-        t = time_of(ex)
-        if best_t is None or t < best_t - 1e-15:
-            best, best_t = ex, t
-    return best, best_t
-
-
-def predict_flat(exchange: str, n_elems: int, compressed_bytes: float, nodes: int, local: int,
-                 model: NodeModel = None) -> float:
-    """Seconds for a flat exchange over N = nodes x local ranks: the node's NIC carries the off-node
-    part of its L ranks' traffic (the whole per-rank bytes of a ring allreduce)."""
-    model = model or NodeModel()
-    N = nodes * local
-    c = per_rank(exchange, n_elems, compressed_bytes, N)
-    if N <= 1:
-        return model.intra.time(0, 0, c["coded"])
-    if exchange == "allreduce":   # the ring carries the payload as sent (float16: half)
-        c = dict(c, wire=allreduce_wire(compressed_bytes, N))
-        nic = c["wire"]
-    else:
-        nic = local * c["wire"] * (N - local) / (N - 1)
-    inter = model.inter
-    lat = c["messages"] * inter.alpha
-    if exchange == "allreduce" and model.tree:
-        lat = min(lat, tree_allreduce_latency(nodes, local, model.intra.alpha, inter.alpha))
-    return lat + nic / inter.bandwidth + c["coded"] / inter.codec
-
-
-def predict_node_aware(inner: str, n_elems: int, compressed_bytes: float, nodes: int, local: int,
-                       model: NodeModel = None) -> float:
-    """Seconds for the node-aware exchange with ``inner`` across nodes (see the module text)."""
-    model = model or NodeModel()
-    L, M = local, nodes
-    D = 4.0 * n_elems
-    intra = model.intra.time(2.0 * (L - 1), 2.0 * (L - 1) / L * D if L > 1 else 0.0, 0.0)
-    shard = max(1, n_elems // max(L, 1))
-    c = per_rank(inner, shard, compressed_bytes / max(L, 1), M)
-    if inner == "allreduce":
-        c = dict(c, wire=allreduce_wire(compressed_bytes / max(L, 1), M))
-    inter = model.inter
-    lat = c["messages"] * inter.alpha
-    if inner == "allreduce" and model.tree:
-        lat = min(lat, tree_allreduce_latency(M, 1, 0.0, inter.alpha))
-    return intra + lat + L * c["wire"] / inter.bandwidth + c["coded"] / inter.codec
-
-
-def choose_hierarchy(flat_candidates: Iterable[str], inner_candidates: Iterable[str], n_elems: int,
-                     compressed_bytes: float, nodes: int, local: int, model: NodeModel = None) -> Dict[str, object]:
-    """Best flat exchange, best node-aware inner exchange, their predicted seconds and whether the
-    node-aware one is cheaper (``node_aware``). Same inputs -> same answer on every rank."""
-    model = model or NodeModel()
-    f, tf = _best(flat_candidates, n_elems, compressed_bytes, nodes * local,
-                  lambda ex: predict_flat(ex, n_elems, compressed_bytes, nodes, local, model))
-    h, th = _best(inner_candidates, n_elems, compressed_bytes, nodes,
-                  lambda ex: predict_node_aware(ex, n_elems, compressed_bytes, nodes, local, model))
-    return {"flat": f, "flat_s": tf, "inner": h, "node_s": th,
-            "node_aware": bool(nodes > 1 and local > 1 and th < tf)}

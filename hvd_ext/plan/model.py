@@ -35,8 +35,8 @@ import torch
 from ..compression.base import Compressor, TensorInfo
 from ..exchange.bucket_cost import BucketCost, Network, flat_cost, node_aware_cost
 from ..exchange.core import frame_size
-from ..exchange.routes import (STEADY_STEP, codec_node_aware_reason, estimated_bucket_bytes,
-                               estimated_payload_bytes, flat_routes, flat_terms, gathered_sizes, recoded_size,
+from ..exchange.routes import (STEADY_STEP, bucket_routes, codec_node_aware_reason, estimated_bucket_bytes,
+                               estimated_payload_bytes, flat_terms, gathered_sizes, recoded_size,
                                route_payload)
 from ..exchange.routes.base import segments, sends_flat
 from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
@@ -225,11 +225,10 @@ def horovod_rows(shapes: Sequence[tuple], compute_s: float, c: Cluster) -> List[
 
 
 def codec_routes(comp: Compressor, c: Cluster) -> List[str]:
-    """The routes ``comp`` can take on this cluster: its flat ones, and the node-aware ones where
-    the exchange could carry it (:func:`hvd_ext.exchange.routes.codec_node_aware_reason`)."""
-    flat = flat_routes(comp)
-    node_ok = c.nodes > 1 and c.local > 1 and codec_node_aware_reason(comp) is None
-    return flat + (["node:" + r for r in flat] if node_ok else [])
+    """The routes ``comp`` can take on this cluster (:func:`hvd_ext.exchange.routes.bucket_routes`):
+    the node-aware ones where the exchange could carry it
+    (:func:`hvd_ext.exchange.routes.codec_node_aware_reason`)."""
+    return bucket_routes(comp, c.size, c.nodes > 1 and c.local > 1 and codec_node_aware_reason(comp) is None)
 
 
 def tensor_payload(comp: Compressor, shape: tuple) -> float:

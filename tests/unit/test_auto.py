@@ -8,6 +8,8 @@ import torch
 import hvd_ext
 from hvd_ext.auto import DEFAULT_CANDIDATES, AutoCompression, AutoTuner
 from hvd_ext.exchange import cost
+from hvd_ext.exchange.bucket_cost import flat_cost
+from hvd_ext.exchange.routes import choice
 from hvd_ext.spec import split_candidates
 from hvd_ext.testing.harness import run_pipeline
 
@@ -141,7 +143,7 @@ def test_most_accurate_candidate_within_slack(monkeypatch):
     def time_codec(self, c, b, grads):
         return {"enc": float(list(fake).index(c.name)), "dec": 0.0, "bytes": 1.0}  # the codec, by index
 
-    def predict(self, kind, numel, payload, enc, dec, **terms):
+    def predict(self, c, kind, shapes, payload, enc, dec, device_type):
         return fake[list(fake)[int(enc)]]
 
     monkeypatch.setattr(AutoTuner, "_time_codec", time_codec)
@@ -178,7 +180,7 @@ def _fake_costs(monkeypatch, model, real):
     def time_codec(self, c, b, grads):
         return {"enc": float(list(model).index(c.name)), "dec": 0.0, "bytes": 1.0}  # the codec, by index
 
-    def predict(self, kind, numel, payload, enc, dec, **terms):
+    def predict(self, c, kind, shapes, payload, enc, dec, device_type):
         return model[list(model)[int(enc)]]
 
     def exchange_time(self, seconds):
@@ -492,18 +494,19 @@ def test_a_codecs_allreduce_rounds_are_priced(monkeypatch):
     matrix takes two rounds (P, then Q), a dense candidate one; one round's latency each."""
     monkeypatch.setattr(AutoTuner, "_probe_link", _link())
     seen = {}
-    predict = AutoTuner.predict
+    terms = choice.flat_terms
 
-    def recording(self, kind, numel, payload, enc, dec, **terms):
-        seen.setdefault(kind, set()).add(terms["rounds"])
-        return predict(self, kind, numel, payload, enc, dec, **terms)
+    def recording(comp, shapes, route, *args, **kw):
+        out = terms(comp, shapes, route, *args, **kw)
+        seen.setdefault(route, set()).add(out["rounds"])
+        return out
 
-    monkeypatch.setattr(AutoTuner, "predict", recording)
+    monkeypatch.setattr(choice, "flat_terms", recording)
     run_pipeline("auto:warmup=2,accuracy=relaxed,trial=0,candidates=none,powersgd:warmup=0", _grads(3, 2), 2)
     assert seen == {"allreduce": {1, 2}}
-    tuner = type("T", (), {"pipe": type("P", (), {"size": 2})(), "link": {"lat": 1e-3, "bw": 1e6}, "network": None,
-                           "probe_network": AutoTuner.probe_network})()
-    one, two = (predict(tuner, "allreduce", 100, 400.0, 0.0, 0.0, r) for r in (1, 2))
+    tuner = type("T", (), {"pipe": type("P", (), {"size": 2})(), "link": {"lat": 1e-3, "bw": 1e6}})()
+    net = AutoTuner.probe_network(tuner)
+    one, two = (flat_cost("allreduce", 100, 400.0, 0.0, 0.0, net, rounds=r).seconds for r in (1, 2))
     assert two - one == pytest.approx(1e-3)
     assert one == pytest.approx(1e-3 + cost.allreduce_wire(400.0, 2) / 1e6)
 

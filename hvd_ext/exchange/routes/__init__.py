@@ -22,6 +22,7 @@ from .base import (NODE_PREFIX, OwnerMemory, Route, TensorRecord, flat_record, k
                    make_route, register, split_flat)
 # one module per route; importing registers it
 from . import allreduce, allgather, twophase, sparse_rs, hierarchical  # noqa: F401,E401
-from .choice import (STEADY_STEP, choose_route, codec_node_aware_reason, estimated_bucket_bytes,  # noqa: F401
-                     estimated_payload_bytes, flat_routes, flat_terms, gathered_sizes, node_aware_reason, node_links,
-                     priced_as_pairs, recoded_size, route_options, route_payload, sizes_known, sparse_rs_payload)
+from .choice import (STEADY_STEP, bucket_routes, choose_route, codec_node_aware_reason,  # noqa: F401
+                     estimated_bucket_bytes, estimated_payload_bytes, fastest_route, flat_routes, flat_terms,
+                     gathered_sizes, node_aware_reason, node_links, priced_as_pairs, recoded_size, route_cost,
+                     route_options, route_payload, sizes_known, sparse_rs_payload)

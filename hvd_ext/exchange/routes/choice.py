@@ -15,7 +15,8 @@ import torch
 
 from ...compression._sparse import count_for
 from ...compression.base import HIERARCHY_CHOICES, ROUTE_CHOICES, Compressor, TensorInfo
-from .. import cost
+from .. import calibration, cost
+from ..bucket_cost import BucketCost, Network, flat_cost, node_aware_cost
 from ..core import Exchange, half_sum_kinds, sums_half_itself
 from ..probe import node_links_setting
 from ..transport import NodeGroupsUnavailable, horovod_elastic
@@ -147,16 +148,58 @@ def flat_terms(comp: Compressor, shapes: Sequence[tuple], route: str, size: int,
             "collectives": half_sum_kinds(size, sum(math.prod(s) for s in shapes)) if half else None}
 
 
-def flat_routes(comp: Compressor) -> List[str]:
-    """The flat routes ``comp`` may take: the allreduce for a codec that rides on it, else the
-    allgather and the scalable route (the sparse reduce-scatter for a sparse codec), or the one its
-    ``exchange=`` names."""
+def flat_routes(comp: Compressor, mode: Optional[str] = None, size: int = 2) -> List[str]:
+    """The flat routes ``comp`` may take over ``size`` ranks with route mode ``mode`` (default: its
+    ``route=``): the allreduce for a codec that rides on it; else the allgather and the scalable route
+    (the sparse reduce-scatter for a sparse codec), or the one ``mode`` names; at one rank the
+    allgather alone (nothing is cut into shards)."""
+    mode = comp.route if mode is None else mode
+    if mode not in ROUTE_CHOICES:
+        raise ValueError(f"exchange must be one of {', '.join(ROUTE_CHOICES)}, got {mode!r}")
     if comp.collective == "allreduce":
+        if mode != "auto":
+            raise ValueError(f"compressor '{comp.name}' rides on allreduce; exchange={mode!r} is not accepted "
+                             "(accepted: auto)")
         return ["allreduce"]
-    flat = ["allgather", "sparse_rs" if comp.sparse else "twophase"]
-    if comp.route in ("allgather", "twophase"):
-        flat = [r for r in flat if (r == "allgather") == (comp.route == "allgather")]
-    return flat
+    if size < 2 or mode == "allgather":
+        return ["allgather"]
+    scalable = "sparse_rs" if comp.sparse else "twophase"
+    return [scalable] if mode == "twophase" else ["allgather", scalable]
+
+
+def bucket_routes(comp: Compressor, size: int, node_aware: bool, mode: Optional[str] = None) -> List[str]:
+    """Every route a bucket under ``comp`` may take: :func:`flat_routes`, then, where ``node_aware``
+    (the node-aware exchange can run), each of them as the inner route across nodes."""
+    flat = flat_routes(comp, mode, size)
+    return flat + ([NODE_PREFIX + r for r in flat] if node_aware else [])
+
+
+def route_cost(comp: Compressor, kind: str, shapes: Sequence[tuple], payload: float, enc: float, dec: float,
+               net: Network, device_type: str, step: int = STEADY_STEP) -> BucketCost:
+    """A bucket of ``shapes`` coded by ``comp`` (``payload`` bytes per rank, ``enc`` / ``dec`` seconds
+    per pass) on ``kind`` (a flat route, or ``node:<inner>``) over ``net``, as
+    :mod:`hvd_ext.exchange.bucket_cost` prices it: the sparse reduce-scatter's pairs where they travel
+    instead of the codec's payload (:func:`priced_as_pairs`), a flat route's collectives as
+    :func:`flat_terms` lists them. ``compression="auto"`` and the fixed codecs' route choice
+    (:func:`route_options`) both price with it."""
+    numels = [math.prod(s) for s in shapes]
+    across = kind.startswith(NODE_PREFIX)
+    inner = kind[len(NODE_PREFIX):] if across else kind
+    if inner == "sparse_rs" and priced_as_pairs(comp):
+        payload = route_payload(comp, inner, numels, *((net.nodes, net.local) if across else (net.size,)))
+    if across:
+        return node_aware_cost(inner, sum(numels), payload, enc, dec, net)
+    return flat_cost(kind, sum(numels), payload, enc, dec, net,
+                     **flat_terms(comp, shapes, kind, net.size, device_type, step))
+
+
+def fastest_route(seconds: Dict[str, float]) -> str:
+    """The route of least ``seconds`` (ties, within float noise: the first listed)."""
+    best = None
+    for kind, t in seconds.items():
+        if best is None or t < seconds[best] - 1e-15:
+            best = kind
+    return best
 
 
 def node_aware_reason(comp: Compressor, exchange: Optional[Exchange]) -> Optional[str]:
@@ -188,15 +231,11 @@ def codec_node_aware_reason(comp: Compressor) -> Optional[str]:
 def choose_route(comp: Compressor, mode: str, numel: Union[int, Sequence[int]], size: int,
                  link: Optional[cost.LinkModel] = None, exchange: Optional[Exchange] = None,
                  model: Optional[cost.NodeModel] = None, codec: Optional[float] = None, device=None) -> str:
-    """Route name for a bucket of ``numel`` elements, or of tensors of these sizes, which price a codec
-    whose payload depends on the layout as the planner does (same inputs -> same answer on every rank).
-
-    With ``exchange`` (the pipeline's), a multi-node job and ``hierarchy=auto`` (the default), the
-    node-aware route ``"node:<inner>"`` is returned when the cost model (:func:`cost.choose_hierarchy`)
-    predicts it is faster, with ``model`` or else the links the exchange measured
-    (:meth:`Exchange.node_model`; ``codec``: this codec's measured elements per second). When
-    Horovod cannot make the node process sets, one warning says what to pass to ``hvd.init`` and
-    the flat route is used."""
+    """Route name for a bucket of ``numel`` elements, or of tensors of these sizes: the fastest of
+    :func:`route_options` (same inputs -> same answer on every rank). With ``exchange`` (the
+    pipeline's), a multi-node job and ``hierarchy=auto`` (the default), that may be the node-aware
+    route ``"node:<inner>"``. When Horovod cannot make the node process sets, one warning says what
+    to pass to ``hvd.init`` and the flat route is used."""
     opts = route_options(comp, mode, numel, size, link, exchange, model, codec, device)
     return opts["node"] if opts["node"] is not None and opts["node_s"] < opts["flat_s"] else opts["flat"]
 
@@ -205,47 +244,62 @@ def route_options(comp: Compressor, mode: str, numel: Union[int, Sequence[int]],
                   link: Optional[cost.LinkModel] = None, exchange: Optional[Exchange] = None,
                   model: Optional[cost.NodeModel] = None, codec: Optional[float] = None,
                   device=None) -> Dict[str, Any]:
-    """The flat route and, where the node-aware exchange can run, the node-aware one, with the
-    seconds the cost model predicts for each: ``{"flat", "flat_s", "node", "node_s"}`` (``node`` is
-    None, and the times are None, when only the flat route is possible). Same on every rank."""
+    """The fastest flat route and, where the node-aware exchange can run, the fastest node-aware one,
+    with the seconds :func:`route_cost` gives each: ``{"flat", "flat_s", "node", "node_s"}`` (``node``
+    and the times are None where only flat routes can run). Priced before any step has run, on
+    :func:`route_network`, with the codec's payload estimated from the sizes
+    (:func:`estimated_bucket_bytes`; a codec on the allreduce: its wire dtype) and its passes at
+    ``codec`` elements/s, else the speed the calibration file timed for it, else the link's (none for a
+    gradient sent as it is). Same on every rank."""
     sizes = tensor_sizes(numel)
-    numel = sum(sizes)
-    flat = _choose_flat(comp, mode, sizes, size, link)
-    only_flat = {"flat": flat, "flat_s": None, "node": None, "node_s": None}
-    hier = comp.hierarchy
-    if hier not in HIERARCHY_CHOICES:
-        raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY_CHOICES)}, got {hier!r}")
-    if exchange is None or node_aware_reason(comp, exchange) is not None:
-        return only_flat
-    model = node_links(exchange, device, model, stacklevel=5)
-    if model is None:
-        return only_flat
-    if codec is not None:
-        model = dataclasses.replace(model, inter=dataclasses.replace(model.inter, codec=codec))
-    topo = exchange.topology()
-    M, L = topo.cross_size, topo.local_size
+    flat = flat_routes(comp, mode, size)
+    if comp.hierarchy not in HIERARCHY_CHOICES:
+        raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY_CHOICES)}, got {comp.hierarchy!r}")
+    links = None
+    if exchange is not None and node_aware_reason(comp, exchange) is None:
+        links = node_links(exchange, device, model, stacklevel=5)
+    cal = calibration.from_env()
+    net = route_network(size, link, links, exchange.topology() if links is not None else None, cal)
+    speed = codec or calibration.codec_speed(cal, comp.spec(), comp.name) or net.link().codec
+    if comp.lossless and comp.wire_dtype == torch.float32:
+        speed = math.inf  # the gradient goes as it is: nothing to code
+    n = sum(sizes)
     if comp.collective == "allreduce":
-        cands = ("allreduce",)
-    elif mode == "allgather":
-        cands = ("allgather",)
-    elif mode == "twophase":
-        cands = ("twophase",)
+        payload = n * float(comp.wire_dtype.itemsize if comp.wire_dtype is not None else 4)
     else:
-        cands = ("allgather", "twophase")
-    if comp.collective == "allreduce":
-        dense = numel * float(comp.wire_dtype.itemsize if comp.wire_dtype is not None else 4)
-        flat_t = {"allreduce": cost.predict_flat("allreduce", numel, dense, M, L, model)}
-        node_t = {"allreduce": cost.predict_node_aware("allreduce", numel, dense, M, L, model)}
-    else:
-        flat_t = {ex: cost.predict_flat(ex, numel, route_payload(comp, ex, sizes, M * L), M, L, model)
-                  for ex in cands}
-        node_t = {ex: cost.predict_node_aware(ex, numel, route_payload(comp, ex, sizes, M, L), M, L, model)
-                  for ex in cands}
-    inner = min(cands, key=lambda ex: (node_t[ex], cands.index(ex)))   # ties: the first listed
-    flat_s = min(flat_t.values())
-    if inner == "twophase":
-        inner = "sparse_rs" if comp.sparse else "twophase"
-    return {"flat": flat, "flat_s": float(flat_s), "node": NODE_PREFIX + inner, "node_s": float(min(node_t.values()))}
+        payload = estimated_bucket_bytes(comp, sizes)
+    enc = dec = n / speed
+    kind = torch.device(device).type if device is not None else "cpu"
+    shapes = [(k,) for k in sizes]
+    times = {r: route_cost(comp, r, shapes, payload, enc, dec, net, kind).seconds
+             for r in bucket_routes(comp, size, links is not None, mode)}
+    best_flat = fastest_route({r: times[r] for r in flat})
+    if links is None:
+        return {"flat": best_flat, "flat_s": None, "node": None, "node_s": None}
+    best_node = fastest_route({NODE_PREFIX + r: times[NODE_PREFIX + r] for r in flat})
+    return {"flat": best_flat, "flat_s": float(times[best_flat]), "node": best_node,
+            "node_s": float(times[best_node])}
+
+
+def route_network(size: int, link: Optional[cost.LinkModel], links: Optional[cost.NodeModel], topo,
+                  cal: Optional[Dict[str, Any]]) -> Network:
+    """The network a fixed codec's routes are priced on before any step (no probe has run): across
+    nodes (``links``, over ``topo``'s nodes) the node links; else one link: ``link``, else the flat
+    link the calibration file measured on this world, else the cost model's default. Each
+    collective's fixed cost is the file's where it timed this world
+    (:func:`hvd_ext.exchange.calibration.collective_latencies`), as ``compression="auto"`` and the
+    planner take it."""
+    if links is not None:
+        M, L = topo.cross_size, topo.local_size
+        first, then = calibration.collective_latencies(cal, size, M, L) or ({}, {})
+        return Network(M, L, links.intra, links.inter, first, then,
+                       calibration.node_latencies(cal, size, M, L), links.tree)
+    first, then = calibration.collective_latencies(cal, size) or ({}, {})
+    measured = calibration.flat_link(cal, size)
+    if link is None and measured is not None:
+        return Network.one_link(size, measured["lat"], measured["bandwidth"], first, then)
+    link = link or cost.LinkModel()
+    return Network(1, size, link, link, first, then)
 
 
 def node_links(exchange: Exchange, device=None, model: Optional[cost.NodeModel] = None,
@@ -276,23 +330,3 @@ def node_links(exchange: Exchange, device=None, model: Optional[cost.NodeModel] 
 def tensor_sizes(numel: Union[int, Sequence[int]]) -> List[int]:
     """A bucket's tensor sizes: ``numel`` itself, or one tensor of ``numel`` elements."""
     return [int(numel)] if isinstance(numel, int) else [int(n) for n in numel]
-
-
-def _choose_flat(comp: Compressor, mode: str, sizes: List[int], size: int, link: Optional[cost.LinkModel]) -> str:
-    if mode not in ROUTE_CHOICES:
-        raise ValueError(f"exchange must be one of {', '.join(ROUTE_CHOICES)}, got {mode!r}")
-    if comp.collective == "allreduce":
-        if mode != "auto":
-            raise ValueError(f"compressor '{comp.name}' rides on allreduce; exchange={mode!r} is not accepted "
-                             "(accepted: auto)")
-        return "allreduce"
-    scalable = "sparse_rs" if comp.sparse else "twophase"
-    if mode == "allgather" or size < 2:
-        return "allgather"
-    if mode == "twophase":
-        return scalable
-    link = link or cost.LinkModel()
-    numel = sum(sizes)
-    t_gather = cost.predict("allgather", numel, route_payload(comp, "allgather", sizes, size), size, link)
-    t_scalable = cost.predict("twophase", numel, route_payload(comp, scalable, sizes, size), size, link)
-    return scalable if t_scalable < t_gather - 1e-15 else "allgather"

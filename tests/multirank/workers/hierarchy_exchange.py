@@ -108,13 +108,11 @@ def one_spec(spec, mode):
         "node_links": opt.stats.extra.get("node_links"),
     }
     if mode == "links":  # what the cost model says with the links this job measured
-        from hvd_ext.exchange import cost
-        from hvd_ext.exchange.routes import estimated_payload_bytes
+        from hvd_ext.exchange.routes import choose_route
 
-        n = sum(p.numel() for p in m.parameters())
         comp = hvd_ext.compression_from_spec(spec)
-        res["model_pick"] = cost.choose_hierarchy(("allgather", "twophase"), ("allgather", "twophase"), n,
-                                                  estimated_payload_bytes(comp, n), hvd.cross_size(), L, measured)
+        res["model_pick"] = choose_route(comp, "auto", [p.numel() for p in m.parameters()], size,
+                                         exchange=opt._exchange, model=measured)
     return res
 
 
@@ -149,10 +147,8 @@ def check_spec(checks, mode, spec, x):
         checks.expect(f"{spec}: routes are ['node:allgather']", x["routes"] == ["node:allgather"], x["routes"])
     elif mode == "links":
         pick = x["model_pick"]
-        want = "node:" + pick["inner"] if pick["node_aware"] else pick["flat"]
         checks.expect(f"{spec}: routes are the cost model's pick with the measured links, the simulated world's too",
-                      [k.replace("sparse_rs", "twophase") for k in x["routes"]] == [want]
-                      == [k.replace("sparse_rs", "twophase") for k in x["sim_routes"]], (x["routes"], pick))
+                      x["routes"] == [pick] == x["sim_routes"], (x["routes"], pick))
 
 
 def check_links(checks, out, specs):

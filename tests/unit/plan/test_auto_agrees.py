@@ -122,3 +122,36 @@ def test_a_collective_the_file_did_not_time_costs_its_flat_allreduce_latency():
     assert then == {"allreduce": 2e-3, "allgather": 1e-3, "alltoall": 1e-3}
     assert first == {"allreduce": 2e-3, "allgather": 1e-3, "alltoall": 5e-3}
     assert len(planned(cal)) == len(planned(calibration_file(1e8, 1e-3, 4e-3)))  # priced (was a KeyError)
+
+
+def fixed_routes(monkeypatch, tmp_path, spec: str, cal: dict) -> list:
+    """The route a job with the fixed codec ``spec`` (and ``hierarchy_trial=0``: the model's routes,
+    untried) gives each bucket, with ``cal`` as HVD_EXT_CALIBRATION."""
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    monkeypatch.setenv(calibration.ENV, str(path))
+    monkeypatch.setattr(calibration, "_CACHE", {})
+    runs = run_pipeline(spec + ("," if ":" in spec else ":") + "hierarchy_trial=0", grads(1), N, bucket_bytes=BUCKET,
+                        ranks_per_node=cal["local"] if cal["nodes"] > 1 else 0)
+    routes = [[b.route.name for b in r.pipeline.buckets] for r in runs]
+    assert all(r == routes[0] for r in routes)
+    return routes[0]
+
+
+def planned_fastest(spec: str, cal: dict) -> list:
+    """Per bucket, the route of the planner's rows for ``spec`` that prices that bucket fastest."""
+    rows = [r for r in plan(list(SHAPES.values()), cluster=None, nodes=cal["nodes"], gpus_per_node=cal["local"],
+                            calibration=cal, methods=[spec], breakeven_search=False, bucket_bytes=BUCKET,
+                            optimizer="none").rows if r.spec == spec]
+    return [min(rows, key=lambda r: r.buckets[b].seconds).route for b in range(len(rows[0].buckets))]
+
+
+@pytest.mark.parametrize("spec", ["qsgd:bits=8", "topk:ratio=0.03", "fp16"])
+def test_a_fixed_codec_takes_the_route_the_planner_prices_fastest(monkeypatch, tmp_path, spec):
+    """A job with a fixed codec prices its routes before any step from the same file, with the same
+    functions (:func:`hvd_ext.exchange.routes.route_cost`): each bucket takes the route whose planner
+    row is fastest for it, on every link of the sweep (where the file makes the alltoall dear, flat
+    routes differ from the cost model's defaults; across nodes, node-aware ones win on slow links)."""
+    for case in ONE_NODE + TWO_NODES:
+        cal = calibration_file(*case)
+        assert fixed_routes(monkeypatch, tmp_path, spec, cal) == planned_fastest(spec, cal), case

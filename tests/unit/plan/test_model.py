@@ -1,5 +1,6 @@
 """hvd_ext.plan.model: the planner's bytes against the real pipeline on simulated worlds, and its
 step-time rules."""
+import math
 import statistics
 
 import pytest
@@ -349,18 +350,25 @@ def test_a_larger_bucket_pays_the_latency_of_the_unfused_alltoalls_fewer_times()
 
 @pytest.mark.parametrize("cluster", ["p3-v100-25gbe", "pcie-consumer-10gbe", "dgx-a100"])
 def test_the_planner_prices_a_gpu_allreduce_bucket_as_the_jobs_route_choice_does(cluster):
-    """For a dense float16 bucket on a GPU cluster the planner's flat and node-aware link times are the
-    job's own cost model's (:func:`hvd_ext.exchange.cost.predict_flat` / ``predict_node_aware`` with
-    NCCL's tree), so both pick the same route."""
+    """For a dense float16 bucket on a GPU cluster, the job's route choice for a fixed codec
+    (:func:`hvd_ext.exchange.routes.route_options`, on GPU tensors, over the same links, its codec
+    passes left out) gives the planner's flat and node-aware link times (NCCL's tree included)."""
     from hvd_ext.exchange import cost
+    from hvd_ext.exchange.routes import route_options
+    from hvd_ext.exchange.transport import Topology
+    from hvd_ext.spec import compression_from_spec
+
+    from helpers.nodes import _Ex
 
     kw = dict(compute_s=0.0, cluster=cluster, nodes=128, methods=["fp16"], breakeven_search=False)
     p = plan([(2048, 2048)], **kw)
-    model = cost.NodeModel(intra=p.cluster.intra, inter=p.cluster.inter, tree=True)
-    n = 2048 * 2048
+    links = cost.NodeModel(intra=p.cluster.intra, inter=p.cluster.inter)
+    ex = _Ex(Topology(0, p.cluster.local, 0, 128), model=links)
+    opts = route_options(compression_from_spec("fp16"), "auto", 2048 * 2048, 128 * p.cluster.local, exchange=ex,
+                         codec=math.inf, device="cuda")
     flat, node = p.row("fp16", "allreduce").buckets[0], p.row("fp16", "node:allreduce").buckets[0]
-    assert flat.link_s == pytest.approx(cost.predict_flat("allreduce", n, 2 * n, 128, 8, model), rel=1e-6)
-    assert node.link_s == pytest.approx(cost.predict_node_aware("allreduce", n, 2 * n, 128, 8, model), rel=1e-6)
+    assert opts["flat_s"] == pytest.approx(flat.link_s, rel=1e-9)
+    assert opts["node_s"] == pytest.approx(node.link_s, rel=1e-9)
 
 
 def test_on_a_cpu_horovods_float16_casts_delay_backward_not_the_link():

@@ -1,6 +1,5 @@
 """hvd_ext.exchange.routes.choice: which route a bucket takes, from the spec, the cost model, the
 measured links and the node layout; flat where node groups are missing or under elastic."""
-import dataclasses
 import warnings
 
 import pytest
@@ -72,16 +71,19 @@ def test_route_choice_on_nodes():
 def test_node_aware_choice_prices_the_flat_route_it_names():
     """Across nodes the flat time set against the node-aware one is the flat route's own, priced as
     that route sends (the sparse reduce-scatter's pairs, the allgather's codec payload)."""
-    from hvd_ext.exchange.routes import route_options, route_payload
+    from hvd_ext.exchange.bucket_cost import Network, flat_cost
+    from hvd_ext.exchange.routes import route_options, route_payload, sizes_known
 
     two_by_two, model = _Ex(Topology(0, 2, 0, 2)), cost.NodeModel()
+    net = Network(2, 2, model.intra, model.inter)
     for spec in ("topk:ratio=0.01", "topk:ratio=0.01,values=fp16", "qsgd:bits=8"):
         comp = hvd_ext.compression_from_spec(spec)
         for n in (10 ** 4, 10 ** 6, 10 ** 7):
             opts = route_options(comp, "auto", n, 4, exchange=two_by_two, model=model)
-            kind = "twophase" if opts["flat"] in ("twophase", "sparse_rs") else opts["flat"]
-            own = cost.predict_flat(kind, n, route_payload(comp, opts["flat"], [n], 4), 2, 2, model)
-            assert opts["flat_s"] == pytest.approx(own, rel=1e-9), (spec, n, opts)
+            passes = n / model.inter.codec
+            own = flat_cost(opts["flat"], n, route_payload(comp, opts["flat"], [n], 4), passes, passes, net,
+                            sizes_known=sizes_known(comp, [(n,)], opts["flat"], 4))
+            assert opts["flat_s"] == pytest.approx(own.seconds, rel=1e-9), (spec, n, opts)
 
 
 def test_route_choice_follows_the_measured_links():
@@ -137,12 +139,12 @@ def test_route_choice_prices_the_buckets_tensors(monkeypatch):
     from hvd_ext.exchange.routes import choice
     from hvd_ext.spec import compression_from_spec
 
-    seen, price = [], choice.route_payload
+    seen, price = [], choice.estimated_bucket_bytes
 
-    def spy(comp, kind, numels, *args, **kw):
+    def spy(comp, numels, *args, **kw):
         seen.append(list(numels))
-        return price(comp, kind, numels, *args, **kw)
-    monkeypatch.setattr(choice, "route_payload", spy)
+        return price(comp, numels, *args, **kw)
+    monkeypatch.setattr(choice, "estimated_bucket_bytes", spy)
     sizes = [4096 * 64, 64, 1024, 10]
     choice.choose_route(compression_from_spec("qdist:budget=2.5"), "auto", sizes, 4)
     assert seen and all(s == sizes for s in seen)
@@ -153,6 +155,7 @@ def test_route_choice_prices_the_buckets_tensors(monkeypatch):
 def test_a_gpu_buckets_route_choice_prices_nccls_tree():
     """On GPU tensors the job's route choice prices an allreduce as NCCL runs it (the model's ``tree``),
     as the planner does on a GPU cluster; on CPU tensors the ring."""
+    from hvd_ext.exchange.bucket_cost import Network, flat_cost
     from hvd_ext.exchange.routes import route_options
 
     model = cost.NodeModel(intra=cost.LinkModel(alpha=5e-6, bandwidth=1e11),
@@ -161,8 +164,8 @@ def test_a_gpu_buckets_route_choice_prices_nccls_tree():
     n = 10 ** 6
     opts = {dev: route_options(comp, "auto", n, 1024, exchange=_Ex(Topology(0, 8, 0, 128), model=model), device=dev)
             for dev in ("cpu", "cuda")}
-    tree = dataclasses.replace(model, tree=True)
-    assert opts["cuda"]["flat_s"] == pytest.approx(cost.predict_flat("allreduce", n, 4 * n, 128, 8, tree))
-    assert opts["cpu"]["flat_s"] == pytest.approx(cost.predict_flat("allreduce", n, 4 * n, 128, 8, model))
+    for dev, tree in (("cuda", True), ("cpu", False)):
+        net = Network(128, 8, model.intra, model.inter, allreduce_tree=tree)
+        assert opts[dev]["flat_s"] == pytest.approx(flat_cost("allreduce", n, 4 * n, 0.0, 0.0, net).seconds)
     assert opts["cuda"]["flat_s"] < opts["cpu"]["flat_s"] - 0.05   # 2046 ring latencies against 28
     assert opts["cuda"]["node_s"] < opts["cpu"]["node_s"]
