@@ -217,7 +217,7 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
     codec = {fam: 3.0 * presets.codec_speed(fam, device) for fam in presets.CPU_CODEC_ELEMS_PER_S}
     codec.update((calibration or {}).get("codec", {}))
     fixed = dict((calibration or {}).get("codec_fixed_s", {}))
-    same_world = (nodes, local) == ((calibration or {}).get("nodes"), (calibration or {}).get("local"))
+    same_world = cal_file.timed_here(calibration, nodes * local, nodes, local)
     flat = links.get("flat", {})
     # measured for this world only; inside a step (after compute) where the calibration timed it there
     lat, idle = cal_file.collective_latencies(calibration, nodes * local, nodes, local) or ({}, {})
