@@ -13,6 +13,8 @@ RATE``: 2 nodes x 2 ranks, the links between the nodes at RATE):
    per bucket, codec and route. ``relaxed``: the accuracy guard is off, as the planner assumes it
    admits every candidate; ``trial=0``: the model's choice, not a measured trial's;
 3. ``hvd_ext.plan.plan``, fed the same file, predicts that pick per bucket (``Plan.row("auto").picks``);
+   and for each fixed codec of ``FIXED``, a job past its dense warm-up gives each bucket's route,
+   against the route of the planner's fastest row for that bucket;
 4. ``auto`` (its decision kept), Horovod fp32 and fp16 take ``--rounds`` turns of ``--steps`` steps,
    each step time against the planner's row.
 
@@ -34,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 AUTO = "auto:accuracy=relaxed,trial=0"
+# fixed codecs of the planner's validation, their routes the model's (no flat/node-aware trial)
+FIXED = ("qsgd:bits=8,hierarchy_trial=0", "topk:ratio=0.01,hierarchy_trial=0")
 ROWS = {"horovod": "horovod", "horovod fp16": "horovod fp16", AUTO: "auto"}  # job -> the planner's row
 
 
@@ -71,6 +75,7 @@ def worker(args) -> None:
     model = runs["horovod"][0]
     p = plan(model, compute_s=cal["compute_s"], cluster=None, nodes=cal["nodes"], gpus_per_node=cal["local"],
              device="cpu", methods=[], calibration=cal, breakeven_search=False)
+    fixed = {spec: fixed_routes(spec, args, step, cal) for spec in FIXED}
     for run in runs.values():
         for _ in range(args.warmup):
             step(run)
@@ -87,8 +92,25 @@ def worker(args) -> None:
     if hvd.rank() == 0:
         Path(args.worker_out).write_text(json.dumps({
             "ranks": hvd.size(), "calibration": cal, "rows": rows, "auto_picked": picked,
-            "plan_picked": p.row("auto").picks, "auto_decision": decision, "auto_picked_at_end": picks()},
-            indent=1, default=str))
+            "plan_picked": p.row("auto").picks, "auto_decision": decision, "auto_picked_at_end": picks(),
+            "fixed": fixed}, indent=1, default=str))
+
+
+def fixed_routes(spec: str, args, step, cal: dict) -> dict:
+    """A job with the fixed codec ``spec`` past its dense warm-up: its route per bucket, and per bucket
+    the route of the planner's fastest row for ``spec`` from the same file."""
+    import common
+    from hvd_ext.plan import plan
+
+    run = common.main_cnn_run(spec, args.channels)
+    pipe = run[1]._pipeline
+    while pipe.step <= pipe.warmup:
+        step(run)
+    p = plan(run[0], compute_s=cal["compute_s"], cluster=None, nodes=cal["nodes"], gpus_per_node=cal["local"],
+             device="cpu", methods=[spec], calibration=cal, breakeven_search=False)
+    rows = [r for r in p.rows if r.spec == spec]
+    planned = [min(rows, key=lambda r: r.buckets[b].seconds).route for b in range(len(rows[0].buckets))]
+    return {"job": list(pipe.routes), "plan": planned}
 
 
 def main(argv=None):
@@ -107,7 +129,8 @@ def main(argv=None):
     results = common.run_worlds(__file__, "auto_plan_check_logs", args, lambda res: (
         f"auto picked {res['auto_picked']}, the planner {res['plan_picked']} "
         f"({sum(a == b for a, b in zip(res['auto_picked'], res['plan_picked']))} of {len(res['plan_picked'])} "
-        "buckets alike)"))
+        "buckets alike); fixed codecs' routes: " + "; ".join(
+            f"{spec}: {f['job']} against {f['plan']}" for spec, f in res["fixed"].items())))
     common.save_results(args.out, common.results_doc("auto_plan_check.py", argv, machine, load, results), render)
 
 
@@ -123,7 +146,8 @@ def render(doc) -> str:
             alike, total = alike + (a == b), total + 1
             lines.append(f"| {res['ranks']} | {res['rate']} | {i} | `{a}` | `{b}` | {'yes' if a == b else 'no'} |")
     kept = sum(res.get("auto_picked_at_end") == res["auto_picked"] for res in doc["results"])
-    lines += ["", f"Alike on {alike} of {total} buckets.", "",
+    lines += ["", f"Alike on {alike} of {total} buckets.", ""] + fixed_table(doc) + [
+              "",
               f"Step time, auto and Horovod, measured in turns (auto's pick at the end of the turns was its first "
               f"decision's in {kept} of {len(doc['results'])} worlds); predicted: the planner's rows, `auto`'s "
               "with the planner's picks:", "",
@@ -133,6 +157,21 @@ def render(doc) -> str:
             lines.append(f"| {res['ranks']} | {res['rate']} | `{row['method']}` | {row['measured_step_ms']:.2f} | "
                          f"{row['predicted_step_ms']:.2f} | {row['step_ratio']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def fixed_table(doc) -> list:
+    """The fixed codecs' routes in the job against the planner's fastest row per bucket."""
+    lines = ["A fixed codec (`hierarchy_trial=0`: the model's routes) with the same file: its route per bucket in "
+             "the job, past the dense warm-up, and the route of the planner's fastest row for that bucket.", "",
+             "| ranks | link | codec | job's routes | planner's fastest | alike |", "|---|---|---|---|---|---|"]
+    alike = total = 0
+    for res in doc["results"]:
+        for spec, f in res.get("fixed", {}).items():
+            same = sum(a == b for a, b in zip(f["job"], f["plan"]))
+            alike, total = alike + same, total + len(f["plan"])
+            lines.append(f"| {res['ranks']} | {res['rate']} | `{spec}` | {', '.join(f['job'])} | "
+                         f"{', '.join(f['plan'])} | {same} of {len(f['plan'])} |")
+    return lines + ["", f"Alike on {alike} of {total} buckets."] if total else []
 
 
 if __name__ == "__main__":

@@ -289,8 +289,18 @@ class Compressor:
         pass
 
     def spec(self) -> str:
+        return self._spec(common=True)
+
+    def codec_spec(self) -> str:
+        """:meth:`spec` without the common options (:mod:`.common`: the route, the node-aware exchange,
+        the warm-up...), which leave one pass of the codec as it is: the key a calibration file times
+        the codec under (:func:`hvd_ext.exchange.calibration.codec_speed`)."""
+        return self._spec(common=False)
+
+    def _spec(self, common: bool) -> str:
         items = [f"{k}={v}" for k, v in self.opts.items() if v != self.options[k].default]
-        items += [f"{k}={v}" for k, v in getattr(self, "common", {}).items() if v != COMMON_OPTIONS[k].default]
+        if common:
+            items += [f"{k}={v}" for k, v in getattr(self, "common", {}).items() if v != COMMON_OPTIONS[k].default]
         fb = getattr(self, "feedback", None)
         if fb is not None:
             if fb.name != self.default_feedback:

@@ -218,7 +218,9 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
     job = _Job(Exchange(), device)
     links, nodes, local = _measure_links(job)
-    specs = [s for s in dict.fromkeys([*methods, *DEFAULT_CANDIDATES]) if s != "none"]
+    # each codec once, under the key a job and the planner look it up by (Compressor.codec_spec)
+    specs = [s for s in dict.fromkeys(compression_from_spec(m).codec_spec() for m in [*methods, *DEFAULT_CANDIDATES])
+             if s != "none"]
     fits = job.mean([v for s in specs for v in fit_codec(s, codec_numel, device)])
     out: Dict[str, Any] = {"version": calibration.VERSION, "ranks": job.N, "nodes": nodes, "local": local,
                            "device": device.type, "links": links,

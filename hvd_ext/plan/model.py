@@ -25,6 +25,7 @@ delays the buckets behind it (``codec_on_compute``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -85,17 +86,28 @@ def family(spec: str) -> str:
     return spec.split(":", 1)[0]
 
 
+@functools.lru_cache(maxsize=None)
+def codec_keys(spec: str) -> tuple:
+    """The keys ``spec``'s codec speed is looked up by, in turn: the spec as written, its codec's own
+    (:meth:`hvd_ext.compression.base.Compressor.codec_spec`, the key ``--measure`` writes and a job
+    looks up), its family."""
+    return tuple(dict.fromkeys((spec, compression_from_spec(spec).codec_spec(), family(spec))))
+
+
+def lookup(table: Dict[str, float], spec: str, default=None):
+    return next((table[k] for k in codec_keys(spec) if k in table), default)
+
+
 def codec_seconds(spec: str, numel: int, cluster: Cluster) -> float:
     """Seconds of one encode (or decode) call on ``numel`` elements (at the compiled speed where
     the calibration measured one and the call is large enough to run compiled)."""
-    speed = cluster.codec.get(spec, cluster.codec.get(family(spec)))
+    speed = lookup(cluster.codec, spec)
     if cluster.compile_min is not None and numel >= cluster.compile_min:
-        speed = cluster.codec_compiled.get(spec, cluster.codec_compiled.get(family(spec), speed))
+        speed = lookup(cluster.codec_compiled, spec, speed)
     if speed is None or speed <= 0:
         raise ValueError(f"plan: no codec speed for {spec!r}; give one (--measure, or the table in "
                          "hvd_ext.plan.presets)")
-    fixed = cluster.codec_fixed.get(spec, cluster.codec_fixed.get(family(spec), 0.0))
-    return 0.0 if math.isinf(speed) else fixed + numel / speed
+    return 0.0 if math.isinf(speed) else lookup(cluster.codec_fixed, spec, 0.0) + numel / speed
 
 
 @dataclass

@@ -246,7 +246,7 @@ def route_options(comp: Compressor, mode: str, numel: Union[int, Sequence[int]],
                   device=None) -> Dict[str, Any]:
     """The fastest flat route and, where the node-aware exchange can run, the fastest node-aware one,
     with the seconds :func:`route_cost` gives each: ``{"flat", "flat_s", "node", "node_s"}`` (``node``
-    and the times are None where only flat routes can run). Priced before any step has run, on
+    and ``node_s`` are None where only flat routes can run). Priced before any step has run, on
     :func:`route_network`, with the codec's payload estimated from the sizes
     (:func:`estimated_bucket_bytes`; a codec on the allreduce: its wire dtype) and its passes at
     ``codec`` elements/s, else the speed the calibration file timed for it, else the link's (none for a
@@ -260,7 +260,8 @@ def route_options(comp: Compressor, mode: str, numel: Union[int, Sequence[int]],
         links = node_links(exchange, device, model, stacklevel=5)
     cal = calibration.from_env()
     net = route_network(size, link, links, exchange.topology() if links is not None else None, cal)
-    speed = codec or calibration.codec_speed(cal, comp.spec(), comp.name) or net.link().codec
+    timed = calibration.codec_speed(cal, comp.spec(), comp.codec_spec(), comp.name) if cal else None
+    speed = codec or timed or net.link().codec
     if comp.lossless and comp.wire_dtype == torch.float32:
         speed = math.inf  # the gradient goes as it is: nothing to code
     n = sum(sizes)
@@ -275,7 +276,7 @@ def route_options(comp: Compressor, mode: str, numel: Union[int, Sequence[int]],
              for r in bucket_routes(comp, size, links is not None, mode)}
     best_flat = fastest_route({r: times[r] for r in flat})
     if links is None:
-        return {"flat": best_flat, "flat_s": None, "node": None, "node_s": None}
+        return {"flat": best_flat, "flat_s": float(times[best_flat]), "node": None, "node_s": None}
     best_node = fastest_route({NODE_PREFIX + r: times[NODE_PREFIX + r] for r in flat})
     return {"flat": best_flat, "flat_s": float(times[best_flat]), "node": best_node,
             "node_s": float(times[best_node])}

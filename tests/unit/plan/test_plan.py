@@ -360,3 +360,29 @@ def test_codec_speed_fitted_where_the_jobs_calls_run(monkeypatch):
     fixed, speed, compiled = measure.fit_codec("qsgd:bits=8", 400_000, cpu)
     assert seen == [16 * 1024, 64 * 1024, 400_000]  # the fit stays below the threshold
     assert speed > 0 and compiled > 0
+
+
+def test_a_codec_is_timed_and_looked_up_under_its_own_spec(tmp_path, monkeypatch):
+    """The options that only route a payload (``exchange=``, ``hierarchy_trial=``) leave a codec's pass as
+    it is: the planner's method and a job's codec both find the speed ``--measure`` wrote under the
+    codec's own spec (``Compressor.codec_spec``), and the job prices its routes with it."""
+    from hvd_ext.exchange.routes import route_options
+    from hvd_ext.spec import compression_from_spec
+
+    spec = "qsgd:bits=8,exchange=twophase,hierarchy_trial=0"
+    assert compression_from_spec(spec).codec_spec() == "qsgd:bits=8"
+    assert compression_from_spec(spec).spec() == "qsgd:bits=8,route=twophase,hierarchy_trial=0"
+    assert compression_from_spec("topk:ratio=0.01,feedback=none").codec_spec() == "topk:feedback=none"
+    slow = 1e5  # elements per second: the codec, not the link, decides
+    cal = {"version": 1, "ranks": 4, "nodes": 1, "local": 4, "device": "cpu",
+           "links": {"flat": {"lat": 2e-4, "bandwidth": 3e7}, "intra": {"alpha": 3e-5, "bandwidth": 3e7}},
+           "codec": {"qsgd:bits=8": slow}, "compute_s": 0.02}
+    n = 1_000_000
+    row = plan(n, cluster=None, nodes=1, methods=[spec], calibration=cal, breakeven_search=False).row(spec, "twophase")
+    assert sum(b.code for b in row.buckets) >= 4 * n / slow  # worker and owner, encode and decode
+    comp = compression_from_spec(spec)
+    untimed = route_options(comp, comp.route, n, 4)["flat_s"]
+    monkeypatch.setenv(calibration.ENV, write(tmp_path, cal))
+    monkeypatch.setattr(calibration, "_CACHE", {})
+    timed = route_options(comp, comp.route, n, 4)["flat_s"]
+    assert untimed < 4 * n / slow <= timed  # the default speed is the link's (250M elements/s)
