@@ -7,7 +7,7 @@ For each world (as ``plan_check.py``: one ``horovodrun --gloo`` job in a shaped 
 RATE``: 2 nodes x 2 ranks, the links between the nodes at RATE):
 
 1. ``hvd_ext.plan.calibration.measure`` calibrates the job (the links, each collective's cost right
-   after a step, the codec speeds of auto's candidates, the main job's CNN step) and rank 0 writes
+   after a step, the codec speeds of auto's candidates and of ``FIXED``, the main job's CNN step) and rank 0 writes
    the file that ``HVD_EXT_CALIBRATION`` then names on every rank;
 2. a job with ``compression="auto:accuracy=relaxed,trial=0"`` runs to its first decision: its pick
    per bucket, codec and route. ``relaxed``: the accuracy guard is off, as the planner assumes it
@@ -56,7 +56,7 @@ def worker(args) -> None:
     floor = common.main_cnn_run("compute", args.channels)
     for _ in range(3):
         step(floor)
-    cal = measure(step=lambda: step(floor), steps=args.steps)
+    cal = measure(FIXED, step=lambda: step(floor), steps=args.steps)
     path = Path(tempfile.gettempdir()) / f"auto_plan_check.{os.getpid()}.json"  # per rank: ranks may be hosts
     path.write_text(json.dumps(cal))
     os.environ[calibration.ENV] = str(path)

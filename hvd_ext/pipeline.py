@@ -160,7 +160,7 @@ class GradientPipeline:
 
     def _make_route(self, b: _Bucket, comp: Compressor) -> Route:
         """The route of bucket ``b`` under codec ``comp`` (same inputs on every rank, same route)."""
-        kind = choose_route(comp, self.route_mode(comp), [p.numel() for p in b.params], self.size,
+        kind = choose_route(comp, self.route_mode(comp), [tuple(p.shape) for p in b.params], self.size,
                             exchange=self.exchange, device=b.params[0].device)
         return make_route(kind, comp, self.exchange, f"b{b.index}", self.owner_memory)
 

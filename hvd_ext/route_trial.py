@@ -68,7 +68,7 @@ class RouteTrial(Policy):
         plans: Dict[str, List[str]] = {"flat": [], "node": []}
         predicted = {"flat": 0.0, "node": 0.0}
         for b in pipe.buckets:
-            opts = route_options(comp, mode, [p.numel() for p in b.params], pipe.size,
+            opts = route_options(comp, mode, [tuple(p.shape) for p in b.params], pipe.size,
                                  exchange=pipe.exchange, device=b.params[0].device)
             if opts["node"] is None:
                 return None

@@ -19,6 +19,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from .compression.base import Compressor
+from .exchange import calibration
 from .exchange.transport import horovod_elastic
 
 
@@ -92,6 +93,8 @@ def config_fingerprint(named_params, compressor: Compressor, op_name: str, backw
         "parameters": [(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in named_params],
         "buckets": [list(b) for b in buckets],
         "routes": list(routes or []),
+        # the calibration file the routes (and auto) are priced with: the same content on every rank
+        "calibration": calibration.digest(calibration.from_env()),
         # auto: the candidates the optimizer leaves it (a different optimizer on a rank would make it choose otherwise)
         "eligible": [bool(compressor.allowed(i)) for i in range(len(compressor.candidates))]
         if callable(getattr(compressor, "allowed", None)) else None,

@@ -294,11 +294,11 @@ class Compressor:
     def codec_spec(self) -> str:
         """:meth:`spec` without the common options (:mod:`.common`: the route, the node-aware exchange,
         the warm-up...), which leave one pass of the codec as it is: the key a calibration file times
-        the codec under (:func:`hvd_ext.exchange.calibration.codec_speed`)."""
+        the codec under (:func:`hvd_ext.exchange.calibration.codec_timing`)."""
         return self._spec(common=False)
 
     def _spec(self, common: bool) -> str:
-        items = [f"{k}={v}" for k, v in self.opts.items() if v != self.options[k].default]
+        items = [f"{k}={v}" for k, v in getattr(self, "opts", {}).items() if v != self.options[k].default]
         if common:
             items += [f"{k}={v}" for k, v in getattr(self, "common", {}).items() if v != COMMON_OPTIONS[k].default]
         fb = getattr(self, "feedback", None)

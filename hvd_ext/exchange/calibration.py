@@ -29,8 +29,11 @@ prices with the same links and fixed costs, and with the codec's speed in the fi
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 from .cost import LinkModel, NodeModel
@@ -95,6 +98,14 @@ def from_env() -> Optional[Dict[str, Any]]:
     return _CACHE[path]
 
 
+def digest(cal: Optional[Dict[str, Any]]) -> Optional[str]:
+    """A short hash of ``cal``'s content (None without one): the ranks of a job compare it before the
+    first exchange, since the routes they choose follow the file (each rank may read its own copy)."""
+    if cal is None:
+        return None
+    return hashlib.sha256(json.dumps(cal, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def node_model(cal: Optional[Dict[str, Any]]) -> Optional[NodeModel]:
     """The intra / inter links of ``cal`` as a :class:`NodeModel`, if it has both."""
     links = (cal or {}).get("links", {})
@@ -141,11 +152,35 @@ def collective_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optio
     return {**(then or dict.fromkeys(COLLECTIVES, lat)), **busy}, then
 
 
-def codec_speed(cal: Optional[Dict[str, Any]], *keys: str) -> Optional[float]:
-    """Elements per second of one encode or decode pass the file timed for the first of ``keys`` it
-    lists (a spec, then its family), or None."""
+@dataclass(frozen=True)
+class CodecTiming:
+    """One codec's encode or decode call as timed on a device: ``speed`` elements per second,
+    ``fixed`` seconds whatever the size, and ``compiled`` elements per second of a call of
+    ``compile_min`` elements or more (on a CPU, where those run compiled; None: not timed)."""
+
+    speed: float
+    fixed: float = 0.0
+    compiled: Optional[float] = None
+    compile_min: Optional[int] = None
+
+    def seconds(self, numel: int) -> float:
+        """Seconds of one call on ``numel`` elements (none for a codec that codes nothing: speed inf)."""
+        speed = self.speed
+        if self.compiled and self.compile_min is not None and numel >= self.compile_min:
+            speed = self.compiled
+        return 0.0 if math.isinf(speed) else self.fixed + numel / speed
+
+
+def codec_timing(cal: Optional[Dict[str, Any]], *keys: str) -> Optional[CodecTiming]:
+    """The file's timing of the first of ``keys`` (a spec, the codec's own spec, its family) it
+    lists, or None. The planner and a job's route choice both price a codec call with it."""
     speeds = (cal or {}).get("codec", {})
-    return next((float(speeds[k]) for k in keys if k in speeds), None)
+    key = next((k for k in keys if k in speeds), None)
+    if key is None:
+        return None
+    compiled = cal.get("codec_compiled", {}).get(key)
+    return CodecTiming(float(speeds[key]), float(cal.get("codec_fixed_s", {}).get(key, 0.0)),
+                       float(compiled) if compiled else None, cal.get("compile_min") if compiled else None)
 
 
 def node_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optional[int] = None,

@@ -35,11 +35,9 @@ import torch
 
 from ..compression.base import Compressor, TensorInfo
 from ..exchange.bucket_cost import BucketCost, Network, flat_cost, node_aware_cost
-from ..exchange.core import frame_size
-from ..exchange.routes import (STEADY_STEP, bucket_routes, codec_node_aware_reason, estimated_bucket_bytes,
-                               estimated_payload_bytes, flat_terms, gathered_sizes, recoded_size,
-                               route_payload)
-from ..exchange.routes.base import segments, sends_flat
+from ..exchange.calibration import CodecTiming
+from ..exchange.routes import (STEADY_STEP, bucket_routes, codec_node_aware_reason, flat_terms, pass_seconds,
+                               payload_bytes)
 from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
 from ..spec import compression_from_spec
 
@@ -98,16 +96,20 @@ def lookup(table: Dict[str, float], spec: str, default=None):
     return next((table[k] for k in codec_keys(spec) if k in table), default)
 
 
-def codec_seconds(spec: str, numel: int, cluster: Cluster) -> float:
-    """Seconds of one encode (or decode) call on ``numel`` elements (at the compiled speed where
-    the calibration measured one and the call is large enough to run compiled)."""
+def codec_timing(spec: str, cluster: Cluster) -> CodecTiming:
+    """``spec``'s pass on the cluster's device (:class:`hvd_ext.exchange.calibration.CodecTiming`)."""
     speed = lookup(cluster.codec, spec)
-    if cluster.compile_min is not None and numel >= cluster.compile_min:
-        speed = lookup(cluster.codec_compiled, spec, speed)
     if speed is None or speed <= 0:
         raise ValueError(f"plan: no codec speed for {spec!r}; give one (--measure, or the table in "
                          "hvd_ext.plan.presets)")
-    return 0.0 if math.isinf(speed) else lookup(cluster.codec_fixed, spec, 0.0) + numel / speed
+    return CodecTiming(speed, lookup(cluster.codec_fixed, spec, 0.0), lookup(cluster.codec_compiled, spec),
+                       cluster.compile_min)
+
+
+def codec_seconds(spec: str, numel: int, cluster: Cluster) -> float:
+    """Seconds of one encode (or decode) call on ``numel`` elements (at the compiled speed where
+    the calibration measured one and the call is large enough to run compiled)."""
+    return codec_timing(spec, cluster).seconds(numel)
 
 
 @dataclass
@@ -243,110 +245,6 @@ def codec_routes(comp: Compressor, c: Cluster) -> List[str]:
     return bucket_routes(comp, c.size, c.nodes > 1 and c.local > 1 and codec_node_aware_reason(comp) is None)
 
 
-def tensor_payload(comp: Compressor, shape: tuple) -> float:
-    """One tensor's payload bytes: the codec's exact size where it has one (PowerSGD's from the
-    matrix shape), else :func:`hvd_ext.exchange.routes.estimated_payload_bytes`."""
-    n = math.prod(shape)
-    if hasattr(comp, "wire_bytes_for"):
-        return float(comp.wire_bytes_for(shape))
-    if comp.collective == "allreduce":
-        return float(comp.wire_bytes(n) or n * (comp.wire_dtype.itemsize if comp.wire_dtype is not None else 4))
-    return float(estimated_payload_bytes(comp, n))
-
-
-def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int = 1) -> float:
-    """One rank's bytes for a bucket of tensors of ``shapes`` on ``route`` (over ``parts`` ranks):
-    an allreduce carries the payloads bare; the allgather one frame (:func:`hvd_ext.exchange.core.frame_size`:
-    flag, count and lengths ahead of the payloads); the two-phase route cuts the bucket into
-    ``parts`` shards coded per segment (:func:`hvd_ext.exchange.routes.base.segments`), one
-    frame each, every frame with as many slots as the fullest shard; the sparse reduce-scatter as
-    :func:`sparse_payload` (``local``: ranks per node, for its node-aware route)."""
-    if comp.collective == "allreduce":
-        return float(sum(tensor_payload(comp, s) for s in shapes))
-    if route.endswith("sparse_rs"):
-        return sparse_payload(comp, shapes, route, parts, local)
-    numels = [math.prod(s) for s in shapes]
-    if (route.endswith("twophase") and parts > 1
-            and comp.expected_piece_bytes(numels, [[n] for n in numels]) is not None):
-        return twophase_payload(comp, shapes, parts)
-    sizes = gathered_sizes(comp, shapes) if route.endswith("allgather") else None
-    if sizes is not None:
-        return float(frame_size(sizes))
-    if comp.expected_piece_bytes(numels, [[n] for n in numels]) is not None:
-        return estimated_bucket_bytes(comp, numels)   # sizes the data decide, over the bucket
-    return float(sum(tensor_payload(comp, s) for s in shapes))
-
-
-def twophase_payload(comp: Compressor, shapes: Sequence[tuple], parts: int) -> float:
-    """The two-phase route's bytes as a payload (its wire is 2(N-1)/N x this): each phase sends every
-    shard as one frame, every frame with as many slots as the fullest shard (empty ones: 0 bytes); the
-    first phase's segments at the codec's size (``Compressor.expected_piece_bytes``, each tensor cut
-    into its segments), the owners' re-coded ones at ``payload_size(recoded=True)`` where every rank
-    knows it (qdist under a budget re-codes at whole bits). Uneven shards load the alltoall unevenly:
-    priced by the ranks' mean of what each link carries."""
-    numels = [math.prod(s) for s in shapes]
-    if parts < 2:   # one rank: nothing is exchanged in pieces
-        return estimated_bucket_bytes(comp, numels)
-    shards = segments(numels, parts)
-    width = max(len(shard) for shard in shards)
-    pieces: List[List[int]] = [[] for _ in numels]
-    for shard in shards:
-        for i, a, b in shard:
-            pieces[i].append(b - a)
-    expected = comp.expected_piece_bytes(numels, pieces)
-    first, seen = {}, [0] * len(numels)
-    for shard in shards:
-        for i, a, b in shard:
-            first[(i, a)] = expected[i][seen[i]]
-            seen[i] += 1
-
-    def frames(size_of) -> List[int]:
-        return [frame_size([int(round(size_of(i, a, b))) for i, a, b in shard] + [0] * (width - len(shard)))
-                for shard in shards]
-
-    def owner(i: int, a: int, b: int) -> float:
-        known = recoded_size(comp, i, a, b)
-        return first[(i, a)] if known is None else known
-
-    # the alltoall: rank j receives N-1 frames of shard j and sends one of every other shard, and a
-    # link is busy for the larger of the two (cost.alltoall_wire); the allgather: all frames but its own
-    f1, f2 = frames(lambda i, a, b: first[(i, a)]), frames(owner)
-    alltoall = sum(max(sum(f1) - f, (parts - 1) * f) for f in f1) / parts
-    return (alltoall * parts / (parts - 1) + sum(f2)) / 2.0
-
-
-def sparse_payload(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int) -> float:
-    """The sparse reduce-scatter's bytes as a payload (:func:`hvd_ext.exchange.routes.route_payload`):
-    flat, over the bucket's tensors; node-aware, over each of the ``local`` ranks' shard of the bucket."""
-    return route_payload(comp, "sparse_rs", [math.prod(s) for s in shapes], parts,
-                         local if route.startswith("node:") else 1)
-
-
-def route_calls(comp: Compressor, numels: Sequence[int], route: str, parts: int) -> List[int]:
-    """The elements of each codec call one rank makes for records of ``numels`` on the flat ``route``
-    over ``parts`` ranks: one flat record where the route sends one
-    (:func:`hvd_ext.exchange.routes.base.sends_flat`), else one per record; the two-phase route codes
-    each record's piece of each shard (:func:`hvd_ext.exchange.routes.base.segments`)."""
-    numels = [int(n) for n in numels]
-    if sends_flat(comp, route):
-        numels = [sum(numels)]
-    if route == "twophase" and parts > 1:
-        return [b - a for shard in segments(numels, parts) for _, a, b in shard]
-    return numels
-
-
-def codec_calls(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int = 1) -> List[int]:
-    """The elements of each codec call of one pass over a bucket of ``shapes`` on ``route`` (over
-    ``parts`` ranks, or nodes): one rank's (:func:`route_calls`); on the node-aware route the calls
-    of all ``local`` ranks of a node, each coding the tensors' pieces of its shard of the bucket on
-    the inner route across the nodes (:func:`node_aware_cost` takes a rank's 1/L)."""
-    numels = [math.prod(s) for s in shapes]
-    if not route.startswith("node:"):
-        return route_calls(comp, numels, route, parts)
-    return [k for shard in segments(numels, local) for k in route_calls(comp, [b - a for _, a, b in shard],
-                                                                         route[5:], parts)]
-
-
 def later_round_bytes(comp: Compressor, shapes: Sequence[tuple]) -> float:
     """The payload bytes a bucket of ``shapes`` sends in its rounds after the first (``Compressor.round_bytes``)."""
     later = 0.0
@@ -370,7 +268,7 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
         n = numel_of(shapes)
         payload = payload_bytes(comp, shapes, route, parts, c.local)
         # one pass over the bucket: its calls each at its own size (codec_calls)
-        enc = dec = sum(codec_seconds(spec, k, c) for k in codec_calls(comp, shapes, route, parts, c.local))
+        enc = dec = pass_seconds(comp, shapes, route, parts, c.local, codec_timing(spec, c))
         if route.startswith("node:"):
             costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c))
         else:

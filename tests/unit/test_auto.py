@@ -9,7 +9,7 @@ import hvd_ext
 from hvd_ext.auto import DEFAULT_CANDIDATES, AutoCompression, AutoTuner
 from hvd_ext.exchange import cost
 from hvd_ext.exchange.bucket_cost import flat_cost
-from hvd_ext.exchange.routes import choice
+from hvd_ext.exchange.routes import pricing
 from hvd_ext.spec import split_candidates
 from hvd_ext.testing.harness import run_pipeline
 
@@ -494,14 +494,14 @@ def test_a_codecs_allreduce_rounds_are_priced(monkeypatch):
     matrix takes two rounds (P, then Q), a dense candidate one; one round's latency each."""
     monkeypatch.setattr(AutoTuner, "_probe_link", _link())
     seen = {}
-    terms = choice.flat_terms
+    terms = pricing.flat_terms
 
     def recording(comp, shapes, route, *args, **kw):
         out = terms(comp, shapes, route, *args, **kw)
         seen.setdefault(route, set()).add(out["rounds"])
         return out
 
-    monkeypatch.setattr(choice, "flat_terms", recording)
+    monkeypatch.setattr(pricing, "flat_terms", recording)
     run_pipeline("auto:warmup=2,accuracy=relaxed,trial=0,candidates=none,powersgd:warmup=0", _grads(3, 2), 2)
     assert seen == {"allreduce": {1, 2}}
     tuner = type("T", (), {"pipe": type("P", (), {"size": 2})(), "link": {"lat": 1e-3, "bw": 1e6}})()

@@ -153,3 +153,34 @@ def test_fingerprint_mismatch_names_the_first_difference():
     assert fingerprint_mismatch([ref, dict(ref)]) is None
     msg = fingerprint_mismatch([ref, {"compression": "topk", "buckets": [["a", "b"], ["d"]]}])
     assert "buckets" in msg and "entry 1" in msg and "rank 1" in msg
+
+
+def test_ranks_reading_different_calibrations_are_told_before_the_first_exchange(tmp_path, monkeypatch):
+    """A fixed codec's routes follow HVD_EXT_CALIBRATION after the dense warm-up, when no check runs:
+    the fingerprint the ranks compare at construction carries the file's content (a copy per rank is
+    fine), so a rank without it, or with another file, is named instead of hanging later."""
+    import json
+
+    import torch
+
+    from hvd_ext.exchange import calibration
+    from hvd_ext.spec import compression_from_spec
+    from hvd_ext.world import config_fingerprint
+
+    def fingerprint(cal):
+        monkeypatch.setattr(calibration, "_CACHE", {})
+        if cal is None:
+            monkeypatch.delenv(calibration.ENV, raising=False)
+        else:
+            path = tmp_path / f"cal{len(list(tmp_path.iterdir()))}.json"
+            path.write_text(json.dumps(cal))
+            monkeypatch.setenv(calibration.ENV, str(path))
+        return config_fingerprint([("w", torch.zeros(3))], compression_from_spec("qsgd:bits=8"), "average", 1,
+                                  1.0, 1024, False, [["w"]], ["allreduce"])
+
+    cal = {"version": 1, "ranks": 2, "links": {"flat": {"lat": 1e-4, "bandwidth": 1e8}}}
+    ref = fingerprint(cal)
+    assert fingerprint_mismatch([ref, fingerprint(dict(cal))]) is None   # another copy of the same file
+    for other in (None, {**cal, "ranks": 4}):
+        msg = fingerprint_mismatch([ref, fingerprint(other)])
+        assert msg is not None and "calibration" in msg, msg

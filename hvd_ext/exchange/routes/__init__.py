@@ -16,13 +16,15 @@ node:<inner>   dense reduce-scatter in the node, <inner> on     inter-node: 1/L 
                allgather in the node (:mod:`.hierarchical`)
 =============  ==============================================  ==========================
 
-``choose_route`` (:mod:`.choice`) picks one for each bucket, the same on every rank.
+``choose_route`` (:mod:`.choice`) picks one for each bucket, the same on every rank, by the price
+:mod:`.pricing` gives each route.
 """
 from .base import (NODE_PREFIX, OwnerMemory, Route, TensorRecord, flat_record, known_sizes,  # noqa: F401
                    make_route, register, split_flat)
 # one module per route; importing registers it
 from . import allreduce, allgather, twophase, sparse_rs, hierarchical  # noqa: F401,E401
-from .choice import (STEADY_STEP, bucket_routes, choose_route, codec_node_aware_reason,  # noqa: F401
-                     estimated_bucket_bytes, estimated_payload_bytes, fastest_route, flat_routes, flat_terms,
-                     gathered_sizes, node_aware_reason, node_links, priced_as_pairs, recoded_size, route_cost,
-                     route_options, route_payload, sizes_known, sparse_rs_payload)
+from .pricing import (STEADY_STEP, codec_calls, estimated_bucket_bytes, estimated_payload_bytes,  # noqa: F401
+                      flat_terms, gathered_sizes, pass_seconds, payload_bytes, priced_as_pairs, recoded_size,
+                      route_cost, route_payload, sizes_known, sparse_rs_payload)
+from .choice import (bucket_routes, choose_route, codec_node_aware_reason, fastest_route,  # noqa: F401
+                     flat_routes, node_aware_reason, node_links, route_options)

@@ -111,7 +111,7 @@ def one_spec(spec, mode):
         from hvd_ext.exchange.routes import choose_route
 
         comp = hvd_ext.compression_from_spec(spec)
-        res["model_pick"] = choose_route(comp, "auto", [p.numel() for p in m.parameters()], size,
+        res["model_pick"] = choose_route(comp, "auto", [tuple(p.shape) for p in m.parameters()], size,
                                          exchange=opt._exchange, model=measured)
     return res
 

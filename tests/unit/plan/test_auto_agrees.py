@@ -149,9 +149,12 @@ def planned_fastest(spec: str, cal: dict) -> list:
 @pytest.mark.parametrize("spec", ["qsgd:bits=8", "topk:ratio=0.03", "fp16"])
 def test_a_fixed_codec_takes_the_route_the_planner_prices_fastest(monkeypatch, tmp_path, spec):
     """A job with a fixed codec prices its routes before any step from the same file, with the same
-    functions (:func:`hvd_ext.exchange.routes.route_cost`): each bucket takes the route whose planner
-    row is fastest for it, on every link of the sweep (where the file makes the alltoall dear, flat
-    routes differ from the cost model's defaults; across nodes, node-aware ones win on slow links)."""
+    functions (:func:`hvd_ext.exchange.routes.route_cost`, each codec call as
+    :class:`hvd_ext.exchange.calibration.CodecTiming` prices it): each bucket takes the route whose
+    planner row is fastest for it, on every link of the sweep (where the file makes the alltoall dear,
+    flat routes differ from the cost model's defaults; across nodes, node-aware ones win on slow links)."""
+    timed = {"codec_fixed_s": {k: 2e-5 for k in SPEED}, "codec_compiled": {k: 3 * v for k, v in SPEED.items()},
+             "compile_min": 64 * 1024}  # a fixed cost per call (the two-phase route makes many), compiled calls
     for case in ONE_NODE + TWO_NODES:
-        cal = calibration_file(*case)
-        assert fixed_routes(monkeypatch, tmp_path, spec, cal) == planned_fastest(spec, cal), case
+        for cal in (calibration_file(*case), {**calibration_file(*case), **timed}):
+            assert fixed_routes(monkeypatch, tmp_path, spec, cal) == planned_fastest(spec, cal), case

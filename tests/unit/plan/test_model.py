@@ -166,7 +166,7 @@ def test_two_phase_gathers_the_owners_recoded_shards_by_a_sized_allgather(spec):
 def test_codec_priced_per_call_at_each_calls_speed(spec, route, calls):
     """A pass over a bucket costs what the route's codec calls cost, each at its size's speed: the fixed
     cost once per call, and on a CPU the compiled speed only for calls of compile_min elements or more."""
-    from hvd_ext.plan.model import codec_calls
+    from hvd_ext.exchange.routes import codec_calls
     comp = compression_from_spec(spec)
     parts, local = (2, 4) if route.startswith("node:") else (2, 1)
     assert codec_calls(comp, SHAPES, route, parts, local) == calls

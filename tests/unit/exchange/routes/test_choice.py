@@ -39,7 +39,7 @@ def test_sparse_route_priced_as_the_sparse_reduce_scatter_sends():
     32-bit indices and float32 sums, more than the allgather of the codec's own payload at 3 ranks,
     so the bucket takes the allgather (priced with the codec's payload, both looked alike)."""
     from hvd_ext.compression._sparse import count_for
-    from hvd_ext.exchange.routes.choice import estimated_payload_bytes
+    from hvd_ext.exchange.routes import estimated_payload_bytes
     from hvd_ext.exchange.routes.sparse_rs import expected_wire
 
     comp, n, size = hvd_ext.compression_from_spec("topk:ratio=0.01,values=fp16"), 10 ** 7, 3
@@ -68,22 +68,27 @@ def test_route_choice_on_nodes():
     assert choose_route(c("qsgd:bits=8"), "auto", 1000, 2) == "allgather"  # no exchange given: flat as before
 
 
-def test_node_aware_choice_prices_the_flat_route_it_names():
-    """Across nodes the flat time set against the node-aware one is the flat route's own, priced as
-    that route sends (the sparse reduce-scatter's pairs, the allgather's codec payload)."""
-    from hvd_ext.exchange.bucket_cost import Network, flat_cost
-    from hvd_ext.exchange.routes import route_options, route_payload, sizes_known
+def test_the_route_choice_prices_each_route_as_the_planner_does():
+    """Across nodes, each route's seconds in the job's choice (flat and node-aware, the sparse
+    reduce-scatter's pairs, the allgather's framed payload) are the planner's for the same bucket on
+    the same links at the same codec speed, and the job takes the fastest of them."""
+    from hvd_ext.exchange.routes import route_options
+    from hvd_ext.plan import plan
+    from hvd_ext.plan.model import codec_timing
 
     two_by_two, model = _Ex(Topology(0, 2, 0, 2)), cost.NodeModel()
-    net = Network(2, 2, model.intra, model.inter)
     for spec in ("topk:ratio=0.01", "topk:ratio=0.01,values=fp16", "qsgd:bits=8"):
         comp = hvd_ext.compression_from_spec(spec)
         for n in (10 ** 4, 10 ** 6, 10 ** 7):
-            opts = route_options(comp, "auto", n, 4, exchange=two_by_two, model=model)
-            passes = n / model.inter.codec
-            own = flat_cost(opts["flat"], n, route_payload(comp, opts["flat"], [n], 4), passes, passes, net,
-                            sizes_known=sizes_known(comp, [(n,)], opts["flat"], 4))
-            assert opts["flat_s"] == pytest.approx(own.seconds, rel=1e-9), (spec, n, opts)
+            p = plan([(n,)], compute_s=0.0, cluster=None, nodes=2, gpus_per_node=2, intra=model.intra,
+                     inter=model.inter, device="cpu", methods=[spec], breakeven_search=False, optimizer="none")
+            rows = {r.route: r.buckets[0].seconds for r in p.rows if r.spec == spec}
+            opts = route_options(comp, "auto", [(n,)], 4, exchange=two_by_two, model=model,
+                                 codec=codec_timing(spec, p.cluster).speed)
+            assert opts["flat_s"] == pytest.approx(rows[opts["flat"]], rel=1e-9), (spec, n, opts, rows)
+            assert opts["node_s"] == pytest.approx(rows[opts["node"]], rel=1e-9), (spec, n, opts, rows)
+            assert opts["flat_s"] == pytest.approx(min(t for r, t in rows.items() if not r.startswith("node:")))
+            assert opts["node_s"] == pytest.approx(min(t for r, t in rows.items() if r.startswith("node:")))
 
 
 def test_route_choice_follows_the_measured_links():
@@ -134,20 +139,27 @@ def test_elastic_jobs_stay_flat(monkeypatch):
 
 
 def test_route_choice_prices_the_buckets_tensors(monkeypatch):
-    """Given the bucket's tensor sizes, the choice prices the layout as the planner does (a codec whose
-    payload depends on it: qdist's budget is allocated over the layers)."""
+    """Given the bucket's tensor shapes (or sizes), the choice prices the layout with the planner's
+    own payload (:func:`hvd_ext.exchange.routes.payload_bytes`; a codec whose payload depends on it:
+    qdist's budget is allocated over the layers, PowerSGD's factors follow the matrix shapes)."""
     from hvd_ext.exchange.routes import choice
+    from hvd_ext.plan.model import payload_bytes as planners
     from hvd_ext.spec import compression_from_spec
 
-    seen, price = [], choice.estimated_bucket_bytes
+    seen, price = [], choice.payload_bytes
 
-    def spy(comp, numels, *args, **kw):
-        seen.append(list(numels))
-        return price(comp, numels, *args, **kw)
-    monkeypatch.setattr(choice, "estimated_bucket_bytes", spy)
+    def spy(comp, shapes, *args, **kw):
+        seen.append(list(shapes))
+        return price(comp, shapes, *args, **kw)
+    monkeypatch.setattr(choice, "payload_bytes", spy)
+    assert planners is price
     sizes = [4096 * 64, 64, 1024, 10]
     choice.choose_route(compression_from_spec("qdist:budget=2.5"), "auto", sizes, 4)
-    assert seen and all(s == sizes for s in seen)
+    assert seen and all(s == [(n,) for n in sizes] for s in seen)
+    seen.clear()
+    shapes = [(64, 4096), (64,), (32, 32), (10,)]
+    choice.choose_route(compression_from_spec("powersgd:rank=2"), "auto", shapes, 4)
+    assert seen == [shapes]
     assert choice.choose_route(compression_from_spec("qdist:budget=2.5"), "auto", sum(sizes), 4) in ("allgather",
                                                                                                   "twophase")
 
@@ -169,3 +181,32 @@ def test_a_gpu_buckets_route_choice_prices_nccls_tree():
         assert opts[dev]["flat_s"] == pytest.approx(flat_cost("allreduce", n, 4 * n, 0.0, 0.0, net).seconds)
     assert opts["cuda"]["flat_s"] < opts["cpu"]["flat_s"] - 0.05   # 2046 ring latencies against 28
     assert opts["cuda"]["node_s"] < opts["cpu"]["node_s"]
+
+
+def test_a_flat_job_across_nodes_prices_its_routes_on_the_files_node_links(tmp_path, monkeypatch):
+    """hierarchy=flat across nodes makes no node groups and measures no node links; where the calibration
+    file timed this world's node links, the flat routes are priced on them (a node's NIC carries its
+    ranks' off-node traffic), as the planner prices them; without the file, on one default link."""
+    import json
+
+    from hvd_ext.exchange import calibration
+    from hvd_ext.exchange.bucket_cost import Network, flat_cost
+    from hvd_ext.exchange.routes import route_options
+
+    comp = hvd_ext.compression_from_spec("fp16:hierarchy=flat")
+    ex, n = _Ex(Topology(0, 2, 0, 2)), 10 ** 6
+    cal = {"version": 1, "ranks": 4, "nodes": 2, "local": 2,
+           "links": {"flat": {"lat": 1e-4, "bandwidth": 1e9}, "intra": {"alpha": 1e-5, "bandwidth": 1e10},
+                     "inter": {"alpha": 2e-5, "bandwidth": 1e7}}}
+    default = route_options(comp, "auto", n, 4, exchange=ex)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    monkeypatch.setenv(calibration.ENV, str(path))
+    monkeypatch.setattr(calibration, "_CACHE", {})
+    opts = route_options(comp, "auto", n, 4, exchange=ex)
+    assert opts["node"] is None and ex.models_asked == 0   # flat: no node links measured
+    links = calibration.node_model(cal)
+    net = Network(2, 2, links.intra, links.inter)
+    own = flat_cost("allreduce", n, 2 * n, 0.0, 0.0, net, collectives=("alltoall", "allgather"))
+    assert opts["flat_s"] == pytest.approx(own.seconds, rel=1e-9)  # a CPU: hvd_ext sums float16 itself
+    assert opts["flat_s"] > 10 * default["flat_s"]
