@@ -51,6 +51,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from .exchange import calibration
 from .exchange.core import Exchange
 from .exchange.torch_transport import TorchDistTransport
 from .pipeline import GradientPipeline, finish_together
@@ -119,7 +120,8 @@ class HookState:
 
     def _agree(self, bucket) -> None:
         mine = {"spec": self.spec, "index": bucket.index(),
-                "tensors": [(tuple(g.shape), str(g.dtype)) for g in bucket.gradients()]}
+                "tensors": [(tuple(g.shape), str(g.dtype)) for g in bucket.gradients()],
+                "calibration": calibration.digest(calibration.from_env())}  # the routes follow it
         msg = fingerprint_mismatch(self.exchange.allgather_object(mine, "hvd_ext.ddp.config"), "hvd_ext.ddp hook",
                                    "checked at the first bucket: register the same spec on the same model")
         if msg is not None:

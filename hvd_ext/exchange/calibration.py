@@ -24,8 +24,10 @@ Set ``HVD_EXT_CALIBRATION=path`` for a job: ``auto`` then takes the flat link an
 fixed cost (:func:`collective_latencies`) from the file instead of probing them (when the file's
 rank count is the job's), and the node-aware route choice takes the intra / inter links from it
 instead of measuring them. A fixed codec's route choice (:func:`hvd_ext.exchange.routes.route_options`)
-prices with the same links and fixed costs, and with the codec's speed in the file. Codec times
-``auto`` still measures on the job's own buckets.
+prices with the same links and collective costs, and each codec call as the file timed the codec
+(:class:`CodecTiming`: speed, fixed cost per call, compiled speed). Codec times ``auto`` still
+measures on the job's own buckets. The ranks compare the file's content (:func:`digest`) before
+their first exchange: every rank must read the same file, or a copy of it.
 """
 from __future__ import annotations
 
@@ -172,15 +174,19 @@ class CodecTiming:
 
 
 def codec_timing(cal: Optional[Dict[str, Any]], *keys: str) -> Optional[CodecTiming]:
-    """The file's timing of the first of ``keys`` (a spec, the codec's own spec, its family) it
-    lists, or None. The planner and a job's route choice both price a codec call with it."""
-    speeds = (cal or {}).get("codec", {})
-    key = next((k for k in keys if k in speeds), None)
-    if key is None:
+    """The file's timing of a codec, each figure under the first of ``keys`` (a spec, the codec's own
+    spec, its family) it is listed by, as the planner looks them up; None where no speed is listed.
+    A job's route choice prices a codec call with it."""
+    def first(table: str):
+        entries = (cal or {}).get(table, {})
+        return next((entries[k] for k in keys if k in entries), None)
+
+    speed = first("codec")
+    if speed is None:
         return None
-    compiled = cal.get("codec_compiled", {}).get(key)
-    return CodecTiming(float(speeds[key]), float(cal.get("codec_fixed_s", {}).get(key, 0.0)),
-                       float(compiled) if compiled else None, cal.get("compile_min") if compiled else None)
+    compiled = first("codec_compiled")
+    return CodecTiming(float(speed), float(first("codec_fixed_s") or 0.0), float(compiled) if compiled else None,
+                       cal.get("compile_min") if compiled else None)
 
 
 def node_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optional[int] = None,

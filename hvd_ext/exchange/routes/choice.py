@@ -117,8 +117,10 @@ def route_options(comp: Compressor, mode: str, shapes: Union[int, Sequence[int],
         links = node_links(exchange, device, model, stacklevel=5)
     cal = calibration.from_env()
     net = route_network(size, link, links, exchange.topology() if exchange is not None else None, cal)
-    timing = job_codec_timing(comp, cal, codec, net.link().codec)
     kind = torch.device(device).type if device is not None else "cpu"
+    if net.nodes > 1 and kind == "cuda":
+        net.allreduce_tree = True   # Horovod's allreduce of GPU tensors: NCCL's trees (as node_links sets)
+    timing = job_codec_timing(comp, cal, codec, net.link().codec)
     times = {}
     for r in bucket_routes(comp, size, links is not None, mode):
         parts = net.nodes if r.startswith(NODE_PREFIX) else size
@@ -139,7 +141,7 @@ def job_codec_timing(comp: Compressor, cal: Optional[Dict[str, Any]], codec: Opt
     given, else as the calibration file timed the codec (:func:`hvd_ext.exchange.calibration.codec_timing`
     under its spec, its own spec, its family, as the planner looks it up), else at ``default``; a codec
     on the allreduce that the file did not time (a cast, or none) costs nothing."""
-    if codec is not None:
+    if codec:
         return calibration.CodecTiming(codec)
     timed = calibration.codec_timing(cal, comp.spec(), comp.codec_spec(), comp.name) if cal else None
     if timed is not None:
@@ -197,8 +199,10 @@ def node_links(exchange: Exchange, device=None, model: Optional[cost.NodeModel] 
 
 
 def tensor_shapes(shapes: Union[int, Sequence[int], Sequence[tuple]]) -> List[tuple]:
-    """A bucket's tensor shapes: ``shapes`` itself, one 1-D tensor per element count, or one tensor
-    of an int's elements."""
+    """A bucket's tensor shapes: ``shapes`` itself (a ``torch.Size``: one tensor), one 1-D tensor per
+    element count, or one tensor of an int's elements."""
     if isinstance(shapes, int):
         return [(shapes,)]
+    if isinstance(shapes, torch.Size):
+        return [tuple(shapes)]
     return [tuple(s) if isinstance(s, (tuple, list, torch.Size)) else (int(s),) for s in shapes]

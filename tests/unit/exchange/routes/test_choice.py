@@ -162,6 +162,9 @@ def test_route_choice_prices_the_buckets_tensors(monkeypatch):
     assert seen == [shapes]
     assert choice.choose_route(compression_from_spec("qdist:budget=2.5"), "auto", sum(sizes), 4) in ("allgather",
                                                                                                   "twophase")
+    import torch
+    assert choice.tensor_shapes(torch.Size([3, 4])) == [(3, 4)] == choice.tensor_shapes([torch.Size([3, 4])])
+    assert choice.tensor_shapes(12) == [(12,)] == choice.tensor_shapes([12])
 
 
 def test_a_gpu_buckets_route_choice_prices_nccls_tree():
