@@ -36,7 +36,8 @@ from .compression.base import Compressor, TensorInfo
 from .compression.none import NoneCompressor
 from .exchange import Exchange
 from .auto import AutoCompression, AutoTuner
-from .exchange.routes import OwnerMemory, Route, TensorRecord, choose_route, flat_record, make_route, split_flat
+from .exchange.routes import (OwnerMemory, Route, TensorRecord, fastest_option, flat_record, make_route,
+                              route_options, split_flat)
 from .feedback.base import Feedback, NoFeedback
 from .ops.device import Checks, deferred_checks, nonfinite as nonfinite_flag, on_host, read_step
 from .overlap import CodeWorker
@@ -104,6 +105,7 @@ class GradientPipeline:
         self.size = exchange.size
         self.buckets: List[_Bucket] = []
         self.bucket_of: Dict[int, _Bucket] = {}
+        self._priced: Dict[tuple, Dict[str, Any]] = {}  # route_options per codec and bucket layout
         # compression="auto": every bucket starts dense; an AutoTuner re-chooses its codec (hvd_ext.auto).
         is_auto = isinstance(compressor, AutoCompression)
         if is_auto and exchange.op_name == "adasum":
@@ -158,11 +160,21 @@ class GradientPipeline:
         if self.route_trial is not None and self.route_trial.done and want is self.compressor:
             self.route_trial.apply(self.route_trial.choice)  # the measured routes again
 
+    def route_options(self, b: _Bucket, comp: Compressor) -> Dict[str, Any]:
+        """Bucket ``b``'s routes under codec ``comp``, priced (:func:`hvd_ext.exchange.routes.route_options`;
+        same inputs on every rank, same answer), once per codec and bucket layout: a model's repeated
+        layers share the price."""
+        shapes = tuple(tuple(p.shape) for p in b.params)
+        key = (comp, self.route_mode(comp), shapes, str(b.params[0].device), self.size)
+        if key not in self._priced:
+            self._priced[key] = route_options(comp, self.route_mode(comp), list(shapes), self.size,
+                                              exchange=self.exchange, device=b.params[0].device)
+        return self._priced[key]
+
     def _make_route(self, b: _Bucket, comp: Compressor) -> Route:
-        """The route of bucket ``b`` under codec ``comp`` (same inputs on every rank, same route)."""
-        kind = choose_route(comp, self.route_mode(comp), [tuple(p.shape) for p in b.params], self.size,
-                            exchange=self.exchange, device=b.params[0].device)
-        return make_route(kind, comp, self.exchange, f"b{b.index}", self.owner_memory)
+        """The route of bucket ``b`` under codec ``comp``: the fastest of :meth:`route_options`."""
+        return make_route(fastest_option(self.route_options(b, comp)), comp, self.exchange, f"b{b.index}",
+                          self.owner_memory)
 
     def set_bucket_compressor(self, b: _Bucket, comp: Compressor, kind: Optional[str] = None) -> None:
         """Switch bucket ``b`` to codec ``comp`` between steps (``compression="auto"``); what the old

@@ -30,7 +30,6 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .exchange.routes import route_options
 from .policy import CONTEND, SETTLE, Policy, median, ranks_mean
 
 _MARGIN = 0.05   # the configuration the model did not pick must be this much faster to be kept
@@ -64,12 +63,10 @@ class RouteTrial(Policy):
         steps = int(comp.hierarchy_trial or 0)
         if steps <= 0 or pipe.auto is not None or comp.hierarchy != "auto":
             return None
-        mode = pipe.route_mode(comp)
         plans: Dict[str, List[str]] = {"flat": [], "node": []}
         predicted = {"flat": 0.0, "node": 0.0}
         for b in pipe.buckets:
-            opts = route_options(comp, mode, [tuple(p.shape) for p in b.params], pipe.size,
-                                 exchange=pipe.exchange, device=b.params[0].device)
+            opts = pipe.route_options(b, comp)
             if opts["node"] is None:
                 return None
             plans["flat"].append(opts["flat"])

@@ -164,3 +164,28 @@ def test_finish_together_forgets_the_step_in_every_pipeline_when_one_fails():
 
     for started in SimulatedWorld(2, timeout=60).run(body):
         assert started == [[False], [False]]
+
+
+def test_buckets_of_one_layout_are_priced_once_per_codec(monkeypatch):
+    """A model's repeated layers make buckets of the same shapes: their routes are priced once per codec
+    (route choice costs milliseconds per bucket at a thousand ranks), and each still takes the route
+    that pricing picks, through the dense warm-up and after it, on every rank alike."""
+    import hvd_ext.pipeline as pipeline_mod
+
+    calls = []
+    price = pipeline_mod.route_options
+
+    def counting(comp, mode, shapes, *args, **kw):
+        calls.append((comp.name, tuple(map(tuple, shapes))))
+        return price(comp, mode, shapes, *args, **kw)
+
+    monkeypatch.setattr(pipeline_mod, "route_options", counting)
+    g = torch.Generator().manual_seed(0)
+    layers = {f"l{i}.w": (64, 64) for i in range(6)}
+    grads = [[{n: torch.randn(*s, generator=g) for n, s in layers.items()} for _ in range(4)] for _ in range(3)]
+    runs = run_pipeline("qsgd:bits=8", grads, 4, bucket_bytes=64 * 64 * 4, warmup=1)
+    pipe = runs[0].pipeline
+    assert len(pipe.buckets) == 6 and all(r.pipeline.routes == pipe.routes for r in runs)
+    per_rank = len(calls) // 4
+    assert per_rank == 2, calls   # one layout, two codecs (the dense warm-up's, then qsgd's)
+    assert set(pipe.routes) == {pipe.route_options(pipe.buckets[0], pipe.compressor)["flat"]}

@@ -26,5 +26,5 @@ from . import allreduce, allgather, twophase, sparse_rs, hierarchical  # noqa: F
 from .pricing import (STEADY_STEP, codec_calls, estimated_bucket_bytes, estimated_payload_bytes,  # noqa: F401
                       flat_terms, gathered_sizes, pass_seconds, payload_bytes, priced_as_pairs, recoded_size,
                       route_cost, route_payload, sizes_known, sparse_rs_payload)
-from .choice import (bucket_routes, choose_route, codec_node_aware_reason, fastest_route,  # noqa: F401
-                     flat_routes, node_aware_reason, node_links, route_options)
+from .choice import (bucket_routes, choose_route, codec_node_aware_reason, fastest_option,  # noqa: F401
+                     fastest_route, flat_routes, node_aware_reason, node_links, route_options)

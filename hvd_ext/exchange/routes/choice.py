@@ -94,7 +94,11 @@ def choose_route(comp: Compressor, mode: str, shapes: Union[int, Sequence[int], 
     (the pipeline's), a multi-node job and ``hierarchy=auto`` (the default), that may be the
     node-aware route ``"node:<inner>"``. When Horovod cannot make the node process sets, one warning
     says what to pass to ``hvd.init`` and the flat route is used."""
-    opts = route_options(comp, mode, shapes, size, link, exchange, model, codec, device)
+    return fastest_option(route_options(comp, mode, shapes, size, link, exchange, model, codec, device))
+
+
+def fastest_option(opts: Dict[str, Any]) -> str:
+    """Of :func:`route_options`' answer, the node-aware route where it is faster, else the flat one."""
     return opts["node"] if opts["node"] is not None and opts["node_s"] < opts["flat_s"] else opts["flat"]
 
 
