@@ -120,7 +120,9 @@ def route_options(comp: Compressor, mode: str, shapes: Union[int, Sequence[int],
     if exchange is not None and node_aware_reason(comp, exchange) is None:
         links = node_links(exchange, device, model, stacklevel=5)
     cal = calibration.from_env()
-    net = route_network(size, link, links, exchange.topology() if exchange is not None else None, cal)
+    # the nodes only where their links price the routes (a DDP hook's topology is a collective the first time)
+    topo = exchange.topology() if exchange is not None and (links is not None or cal is not None) else None
+    net = route_network(size, link, links, topo, cal)
     kind = torch.device(device).type if device is not None else "cpu"
     if net.nodes > 1 and kind == "cuda":
         net.allreduce_tree = True   # Horovod's allreduce of GPU tensors: NCCL's trees (as node_links sets)

@@ -155,7 +155,7 @@ def tensor_payload(comp: Compressor, shape: tuple) -> float:
 
 def payload_bytes(comp: Compressor, shapes: Sequence[tuple], route: str, parts: int, local: int = 1) -> float:
     """One rank's bytes for a bucket of tensors of ``shapes`` on ``route`` (over ``parts`` ranks):
-    an allreduce carries the payloads bare; the allgather one frame (:func:`..core.frame_size`:
+    an allreduce carries the payloads bare; the allgather one frame (:func:`hvd_ext.exchange.core.frame_size`:
     flag, count and lengths ahead of the payloads); the two-phase route cuts the bucket into
     ``parts`` shards coded per segment (:func:`.base.segments`), one
     frame each, every frame with as many slots as the fullest shard; the sparse reduce-scatter as
