@@ -36,8 +36,8 @@ import torch
 from ..compression.base import Compressor, TensorInfo
 from ..exchange.bucket_cost import BucketCost, Network, flat_cost, node_aware_cost
 from ..exchange.calibration import CodecTiming
-from ..exchange.routes import (STEADY_STEP, bucket_routes, codec_node_aware_reason, flat_terms, pass_seconds,
-                               payload_bytes)
+from ..exchange.routes import (STEADY_STEP, bucket_routes, codec_node_aware_reason, pass_seconds, payload_bytes,
+                               route_cost)
 from ..pipeline import FIRST_BUCKET_BYTES, plan_buckets
 from ..spec import compression_from_spec
 
@@ -265,18 +265,13 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
         if key in seen:
             costs.append(seen[key])
             continue
-        n = numel_of(shapes)
         payload = payload_bytes(comp, shapes, route, parts, c.local)
         # one pass over the bucket: its calls each at its own size (codec_calls)
         enc = dec = pass_seconds(comp, shapes, route, parts, c.local, codec_timing(spec, c))
-        if route.startswith("node:"):
-            costs.append(node_aware_cost(route[5:], n, payload, enc, dec, c))
-        else:
-            # the device decides who sums a half-precision bucket (a CPU: where the codec runs on the compute core)
-            terms = flat_terms(comp, shapes, route, parts, "cpu" if c.codec_on_compute else "cuda")
-            later = later_round_bytes(comp, shapes) if route == "allreduce" else 0.0
-            costs.append(flat_cost(route, n, payload, enc, dec, c, later=later,
-                                   fuse=str(comp.wire_dtype or torch.float32), **terms))
+        later = later_round_bytes(comp, shapes) if route == "allreduce" else 0.0
+        # the device decides who sums a half-precision bucket (a CPU: where the codec runs on the compute core)
+        costs.append(route_cost(comp, route, shapes, payload, enc, dec, c, "cpu" if c.codec_on_compute else "cuda",
+                                later=later, fuse=str(comp.wire_dtype or torch.float32)))
         seen[key] = costs[-1]
     return costs
 
