@@ -119,7 +119,7 @@ def main(argv=None):
     import common
 
     common.add_world_options(ap, out="auto_plan_check", steps=10, rounds=3, ranks=[2, 4],
-                             rates=["100mbit", "1gbit", "unshaped"])
+                             rates=["100mbit", "1gbit", "unshaped"], shaper="line")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)

@@ -117,11 +117,21 @@ def check_testbed() -> Optional[str]:
     return None
 
 
-def shaped_prefix(rate: Optional[str], latency: str = "50ms", burst: str = "256kb") -> List[str]:
-    """Command prefix that runs what follows in a fresh namespace; rate None = unshaped namespace."""
+# The testbed's shapers (tc tbf). ``bucket``: DESIGN.md's testbed, a 256 KiB bucket over loopback's 64 KiB
+# MTU, which lets 256 KiB through at once after every idle spell; ``line``: loopback's MTU lowered to 9000
+# and a 16 KiB bucket, a link at its rate with no such allowance, as a NIC (what the planner models).
+SHAPERS = {"bucket": {"burst": "256kb"}, "line": {"mtu": "9000", "burst": "16kb"}}
+
+
+def shaped_prefix(rate: Optional[str], latency: str = "50ms", burst: str = "256kb",
+                  shaper: Optional[str] = None) -> List[str]:
+    """Command prefix that runs what follows in a fresh namespace; rate None = unshaped namespace;
+    ``shaper`` (a key of :data:`SHAPERS`) sets the bucket, else ``burst`` does."""
     if rate is None or str(rate).lower() in ("none", "unshaped", "0"):
         return [str(SHAPED), "--unshaped", "--"]
-    return [str(SHAPED), "--rate", str(rate), "--latency", latency, "--burst", burst, "--"]
+    opts = SHAPERS[shaper] if shaper else {"burst": burst}
+    return [str(SHAPED), "--rate", str(rate), "--latency", latency,
+            *[a for k, v in opts.items() for a in (f"--{k}", v)], "--"]
 
 
 def hvd_launcher(np_: int, kind: str = "gloo") -> List[str]:
@@ -135,27 +145,33 @@ def hvd_launcher(np_: int, kind: str = "gloo") -> List[str]:
     raise ValueError(f"unknown launcher {kind!r}")
 
 
-def flat_worlds(ranks: List[int], rates: List[str]):
-    """(N, rate, launch prefix) for N ranks on one node whose loopback is shaped to ``rate`` (``unshaped``: not)."""
+def flat_worlds(ranks: List[int], rates: List[str], shaper: str = "bucket"):
+    """(N, rate, launch prefix) for N ranks on one node whose loopback is shaped to ``rate`` (``unshaped``: not)
+    by ``shaper`` (:data:`SHAPERS`)."""
     for n in ranks:
         for rate in rates:
-            yield n, rate, shaped_prefix(None if rate == "unshaped" else rate) + hvd_launcher(n)
+            yield n, rate, shaped_prefix(None if rate == "unshaped" else rate, shaper=shaper) + hvd_launcher(n)
 
 
-def two_nodes_launcher(rate: str, ranks_per_node: int = 2) -> List[str]:
+def two_nodes_launcher(rate: str, ranks_per_node: int = 2, shaper: str = "bucket") -> List[str]:
     """The 2-node testbed (``scripts/shaped-cluster``: a namespace per node, the links between nodes shaped to
-    ``rate``) with horovodrun over it, ``ranks_per_node`` ranks on each node."""
+    ``rate`` by ``shaper``'s bucket; their MTU is eth0's, 1500) with horovodrun over it, ``ranks_per_node``
+    ranks on each node."""
     n = 2 * ranks_per_node
-    return [str(SHAPED), "--nodes", "2", "--ranks-per-node", str(ranks_per_node), "--inter", rate, "--",
+    return [str(SHAPED), "--nodes", "2", "--ranks-per-node", str(ranks_per_node), "--inter", rate,
+            "--burst", SHAPERS[shaper]["burst"], "--",
             "horovodrun", "-np", str(n), "-H", f"node1:{ranks_per_node},node2:{ranks_per_node}", "--gloo",
             "--start-timeout", "120"]
 
 
-def add_world_options(ap, out: str, steps: int, rounds: int, ranks: List[int], rates: List[str]) -> None:
-    """A benchmark over worlds of ``--ranks`` ranks on links at ``--rates``: those, the options of
-    :func:`add_worker_options` and ``--allow-load``."""
+def add_world_options(ap, out: str, steps: int, rounds: int, ranks: List[int], rates: List[str],
+                      shaper: str = "bucket") -> None:
+    """A benchmark over worlds of ``--ranks`` ranks on links at ``--rates`` shaped by ``--shaper``: those, the
+    options of :func:`add_worker_options` and ``--allow-load``."""
     ap.add_argument("--ranks", type=int, nargs="+", default=ranks)
     ap.add_argument("--rates", nargs="+", default=rates)
+    ap.add_argument("--shaper", choices=sorted(SHAPERS), default=shaper,
+                    help="the shaped links' token bucket (benchmarks/common.py, SHAPERS)")
     add_worker_options(ap, out=out, steps=steps, rounds=rounds)
     add_load_option(ap)
 
@@ -273,16 +289,16 @@ def run_worlds(script: str, logs: str, args, summary: Callable[[Dict], str]) -> 
     which a rank cannot see (each node is a host of its own), so hvd_ext's ranks wait as on a node
     with more ranks than cores."""
     worlds = [(f"np {n} {rate}", rate, f"np{n}_{rate}", launch)
-              for n, rate, launch in flat_worlds(args.ranks, args.rates)]
+              for n, rate, launch in flat_worlds(args.ranks, args.rates, args.shaper)]
     worlds += [(f"2x2 {rate}", f"2 nodes x 2, inter {rate}", f"2x2_{rate}",
-                ["env", f"HVD_EXT_WAIT={TESTBED_NODES_WAIT}"] + two_nodes_launcher(rate))
+                ["env", f"HVD_EXT_WAIT={TESTBED_NODES_WAIT}"] + two_nodes_launcher(rate, shaper=args.shaper))
                for rate in getattr(args, "nodes2x2", [])]
     results = []
     for label, link, stem, launch in worlds:
         res = run_worker(script, logs, stem, launch, worker_args(args), label)
         if res is None:
             continue
-        res.update(rate=link, loadavg_end=loadavg())
+        res.update(rate=link, shaper=args.shaper, loadavg_end=loadavg())
         results.append(res)
         print(f"{label}: {summary(res)}")
     return results

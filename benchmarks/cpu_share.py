@@ -80,10 +80,10 @@ def main(argv=None):
         return worker(args)
     common.refuse_if_loaded(args)
     machine, load = common.machine_info(), common.loadavg()
-    worlds = list(common.flat_worlds(args.ranks, args.rates))
+    worlds = list(common.flat_worlds(args.ranks, args.rates, args.shaper))
     for extra in args.also:
         n, rate = extra.split(":")
-        worlds += list(common.flat_worlds([int(n)], [rate]))
+        worlds += list(common.flat_worlds([int(n)], [rate], args.shaper))
     results = []
     for n, rate, launch in worlds:
         res = common.run_worker(__file__, "cpu_share_logs", f"np{n}_{rate}", launch, common.worker_args(args),

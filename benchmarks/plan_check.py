@@ -5,7 +5,10 @@
     python benchmarks/plan_check.py --ranks 2 4 8 --rates 100mbit 300mbit 1gbit unshaped --nodes2x2 300mbit
 
 For each (N, rate) one job (``horovodrun --gloo`` in a shaped namespace, ``scripts/shaped-cluster``;
-``--nodes2x2 RATE``: 2 nodes x 2 ranks of the multi-node testbed, inter-node links at RATE):
+``--nodes2x2 RATE``: 2 nodes x 2 ranks of the multi-node testbed, inter-node links at RATE). The links
+are shaped as a NIC sends, at their rate from the first byte (``--shaper line``, ``common.SHAPERS``):
+the planner models such a link, and the default testbed's token bucket would let 256 KiB through at
+once after every idle spell, a step's whole exchange where it is compressed.
 
 1. ``hvd_ext.plan.calibration.measure`` calibrates the job: the flat link (across nodes: the intra
    and inter links), codec speeds on this CPU
@@ -177,7 +180,8 @@ def main(argv=None):
     ap.add_argument("--rescore", nargs="+", metavar="JSON", help="predict saved runs again (see the module doc)")
     import common
 
-    common.add_world_options(ap, out="plan_check", steps=10, rounds=4, ranks=[2, 4], rates=["300mbit", "unshaped"])
+    common.add_world_options(ap, out="plan_check", steps=10, rounds=4, ranks=[2, 4], rates=["300mbit", "unshaped"],
+                             shaper="line")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)

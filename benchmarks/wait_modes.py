@@ -77,10 +77,10 @@ def main(argv=None):
             res.update(world=label, loadavg_end=common.loadavg())
             results.append(res)
 
-    for n, rate, launch in common.flat_worlds(args.ranks, args.rates):
+    for n, rate, launch in common.flat_worlds(args.ranks, args.rates, args.shaper):
         world(f"{n} ranks, {rate}", f"np{n}_{rate}", launch)
     for rate in args.nodes2x2:
-        world(f"2 nodes x 2, inter {rate}", f"2x2_{rate}", common.two_nodes_launcher(rate))
+        world(f"2 nodes x 2, inter {rate}", f"2x2_{rate}", common.two_nodes_launcher(rate, shaper=args.shaper))
     common.save_results(args.out, common.results_doc("wait_modes.py", argv, machine, load, results), render)
 
 
