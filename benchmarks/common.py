@@ -118,20 +118,22 @@ def check_testbed() -> Optional[str]:
 
 
 # The testbed's shapers (tc tbf). ``bucket``: DESIGN.md's testbed, a 256 KiB bucket over loopback's 64 KiB
-# MTU, which lets 256 KiB through at once after every idle spell; ``line``: loopback's MTU lowered to 9000
-# and a 16 KiB bucket, a link at its rate with no such allowance, as a NIC (what the planner models).
-SHAPERS = {"bucket": {"burst": "256kb"}, "line": {"mtu": "9000", "burst": "16kb"}}
+# MTU, which lets 256 KiB through at once after every idle spell, and a 50 ms queue; ``line``: loopback's
+# MTU lowered to 9000, a 16 KiB bucket and a 400 ms queue, a link at its rate with no such allowance and
+# no drops where every rank sends at once (8 ranks' alltoall overflows a 50 ms queue: TCP then recovers
+# from losses), as the planner models a link.
+SHAPERS = {"bucket": {"burst": "256kb", "latency": "50ms"},
+           "line": {"mtu": "9000", "burst": "16kb", "latency": "400ms"}}
 
 
 def shaped_prefix(rate: Optional[str], latency: str = "50ms", burst: str = "256kb",
                   shaper: Optional[str] = None) -> List[str]:
     """Command prefix that runs what follows in a fresh namespace; rate None = unshaped namespace;
-    ``shaper`` (a key of :data:`SHAPERS`) sets the bucket, else ``burst`` does."""
+    ``shaper`` (a key of :data:`SHAPERS`) sets the bucket and the queue, else ``burst`` and ``latency`` do."""
     if rate is None or str(rate).lower() in ("none", "unshaped", "0"):
         return [str(SHAPED), "--unshaped", "--"]
-    opts = SHAPERS[shaper] if shaper else {"burst": burst}
-    return [str(SHAPED), "--rate", str(rate), "--latency", latency,
-            *[a for k, v in opts.items() for a in (f"--{k}", v)], "--"]
+    opts = SHAPERS[shaper] if shaper else {"burst": burst, "latency": latency}
+    return [str(SHAPED), "--rate", str(rate), *[a for k, v in opts.items() for a in (f"--{k}", v)], "--"]
 
 
 def hvd_launcher(np_: int, kind: str = "gloo") -> List[str]:
@@ -155,11 +157,11 @@ def flat_worlds(ranks: List[int], rates: List[str], shaper: str = "bucket"):
 
 def two_nodes_launcher(rate: str, ranks_per_node: int = 2, shaper: str = "bucket") -> List[str]:
     """The 2-node testbed (``scripts/shaped-cluster``: a namespace per node, the links between nodes shaped to
-    ``rate`` by ``shaper``'s bucket; their MTU is eth0's, 1500) with horovodrun over it, ``ranks_per_node``
+    ``rate`` by ``shaper``'s bucket and queue; their MTU is eth0's, 1500) with horovodrun over it, ``ranks_per_node``
     ranks on each node."""
     n = 2 * ranks_per_node
     return [str(SHAPED), "--nodes", "2", "--ranks-per-node", str(ranks_per_node), "--inter", rate,
-            "--burst", SHAPERS[shaper]["burst"], "--",
+            "--burst", SHAPERS[shaper]["burst"], "--latency", SHAPERS[shaper]["latency"], "--",
             "horovodrun", "-np", str(n), "-H", f"node1:{ranks_per_node},node2:{ranks_per_node}", "--gloo",
             "--start-timeout", "120"]
 

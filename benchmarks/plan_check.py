@@ -6,9 +6,10 @@
 
 For each (N, rate) one job (``horovodrun --gloo`` in a shaped namespace, ``scripts/shaped-cluster``;
 ``--nodes2x2 RATE``: 2 nodes x 2 ranks of the multi-node testbed, inter-node links at RATE). The links
-are shaped as a NIC sends, at their rate from the first byte (``--shaper line``, ``common.SHAPERS``):
-the planner models such a link, and the default testbed's token bucket would let 256 KiB through at
-once after every idle spell, a step's whole exchange where it is compressed.
+are shaped as a NIC sends, at their rate from the first byte and without drops when every rank sends
+at once (``--shaper line``, ``common.SHAPERS``): the planner models such a link, and the default
+testbed's token bucket would let 256 KiB through at once after every idle spell (a step's whole
+exchange where it is compressed), its short queue drop 8 ranks' alltoall.
 
 1. ``hvd_ext.plan.calibration.measure`` calibrates the job: the flat link (across nodes: the intra
    and inter links), codec speeds on this CPU

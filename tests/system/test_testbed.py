@@ -177,7 +177,8 @@ print(sorted(times)[2])
 
 
 @needs_testbed
-@pytest.mark.parametrize("opts, at_rate", [([], False), (["--mtu", "9000", "--burst", "16kb"], True)])
+@pytest.mark.parametrize("opts, at_rate", [([], False), (["--mtu", "9000", "--burst", "16kb", "--latency", "400ms"],
+                                                          True)])
 def test_a_link_shaped_with_a_small_bucket_sends_at_its_rate_after_an_idle_spell(opts, at_rate):
     """200 KB after 100 ms idle at 100 Mbit/s take 16 ms on a link; the default 256 KiB bucket lets them
     through at once (the burst a real NIC does not give); loopback's MTU lowered, a 16 KiB bucket does not."""
