@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 from ..auto import (AUTO_OPTIONS, DEFAULT_CANDIDATES, AutoCompression, AutoTuner, fastest_candidate,
                     most_accurate_within)
 from ..exchange import calibration as cal_file
-from ..exchange import cost
+from ..exchange import codec_speed, cost
 from ..optimizer import DEFAULT_BUCKET_BYTES
 from ..spec import compression_from_spec
 from . import presets
@@ -214,7 +214,8 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
                         "cpu" if (calibration or {}).get("device", "cpu") == "cpu" else None)
     if device not in presets.DEVICES:
         raise ValueError(f"plan: unknown device {device!r}; accepted: {', '.join(presets.DEVICES)}")
-    codec = {fam: 3.0 * presets.codec_speed(fam, device) for fam in presets.CPU_CODEC_ELEMS_PER_S}
+    codec = {fam: codec_speed.PASSES_PER_ROUND_TRIP * presets.codec_speed_on(fam, device)
+             for fam in presets.CPU_CODEC_ELEMS_PER_S}
     codec.update((calibration or {}).get("codec", {}))
     fixed = dict((calibration or {}).get("codec_fixed_s", {}))
     same_world = cal_file.timed_here(calibration, nodes * local, nodes, local)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
+from ..exchange import codec_speed
 from ..exchange.cost import LinkModel
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
@@ -45,7 +46,7 @@ DEVICES: Dict[str, Device] = {
     "v100": Device("V100 SXM2", 900.0, 125.0, "NVIDIA V100 datasheet (2020): 900 GB/s HBM2, 125 TFLOPS fp16"),
     "rtx3090": Device("GeForce RTX 3090", 936.0, 71.0,
                       "NVIDIA Ampere GA102 whitepaper (2020): 936 GB/s GDDR6X, 71 TFLOPS fp16 tensor"),
-    "cpu": Device("one CPU core (this testbed)", 12.96, 0.05,
+    "cpu": Device("one CPU core (this testbed)", codec_speed.CPU_COPY_GBS, 0.05,
                   "benchmarks/results/throughput.json: memcpy of 16M floats, 1 thread, AMD EPYC"),
 }
 
@@ -105,27 +106,15 @@ MODELS: Dict[str, PublishedModel] = {
         "mfu 0.40 as above"),
 }
 
-# Codec round-trip speed on one CPU core (compress + decode-and-sum of two payloads), elements per
-# second, from benchmarks/results/throughput.json (16M floats, 1 thread, 2026-12-04). Keys are the
-# codec family names; a spec's own measurement (--measure) takes precedence.
-CPU_CODEC_ELEMS_PER_S: Dict[str, float] = {
-    "none": float("inf"), "fp16": 2.04e9, "bf16": 2.04e9, "qsgd": 0.31e9, "int8": 0.85e9,
-    "topk": 0.26e9, "dgc": 0.35e9, "randomk": 0.03e9, "sig": 0.18e9, "threshold": 0.84e9,
-    "signsgd": 0.45e9, "efsignsgd": 0.48e9, "signum": 0.45e9, "onebit": 0.63e9, "terngrad": 0.38e9,
-    "natural": 0.0055e9, "qdist": 0.17e9, "powersgd": 0.056e9,
-}
-GPU_KERNEL_FRACTION = 0.5  # docs/gpu.md: each kernel's target share of the device's copy bandwidth
+# Codec round-trip speed on one CPU core, per family (hvd_ext.exchange.codec_speed: a job's route
+# choice prices an untimed codec with the same figures); a spec's own measurement (--measure) takes precedence.
+CPU_CODEC_ELEMS_PER_S: Dict[str, float] = codec_speed.CPU_ROUND_TRIP
 
 
-def codec_speed(family: str, device: str) -> float:
-    """Elements per second of one codec round trip on ``device`` (a key of :data:`DEVICES`). A GPU is
-    not measured here: its speed is the CPU figure scaled by the copy bandwidths, at the kernels'
-    target fraction (the codecs are bandwidth-bound passes over the gradient)."""
-    base = CPU_CODEC_ELEMS_PER_S.get(family, CPU_CODEC_ELEMS_PER_S["qsgd"])
-    if device == "cpu":
-        return base
-    dev = DEVICES[device]
-    return base * dev.copy_gbs * GPU_KERNEL_FRACTION / DEVICES["cpu"].copy_gbs
+def codec_speed_on(family: str, device: str) -> float:
+    """Elements per second of one codec round trip on ``device`` (a key of :data:`DEVICES`): a GPU's is
+    the CPU figure scaled by the copy bandwidths (:func:`hvd_ext.exchange.codec_speed.round_trip_speed`)."""
+    return codec_speed.round_trip_speed(family, None if device == "cpu" else DEVICES[device].copy_gbs)
 
 
 def compute_seconds(model: PublishedModel, device: str) -> float:

@@ -7,14 +7,13 @@ homogeneous job), so every rank builds the same routes.
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from ...compression.base import HIERARCHY_CHOICES, ROUTE_CHOICES, Compressor
-from .. import calibration, cost
+from .. import calibration, codec_speed, cost
 from ..bucket_cost import Network
 from ..core import Exchange
 from ..probe import node_links_setting
@@ -126,7 +125,7 @@ def route_options(comp: Compressor, mode: str, shapes: Union[int, Sequence[int],
     kind = torch.device(device).type if device is not None else "cpu"
     if net.nodes > 1 and kind == "cuda":
         net.allreduce_tree = True   # Horovod's allreduce of GPU tensors: NCCL's trees (as node_links sets)
-    timing = job_codec_timing(comp, cal, codec, net.link().codec)
+    timing = job_codec_timing(comp, cal, codec, device)
     times = {}
     for r in bucket_routes(comp, size, links is not None, mode):
         parts = net.nodes if r.startswith(NODE_PREFIX) else size
@@ -142,17 +141,17 @@ def route_options(comp: Compressor, mode: str, shapes: Union[int, Sequence[int],
 
 
 def job_codec_timing(comp: Compressor, cal: Optional[Dict[str, Any]], codec: Optional[float],
-                     default: float) -> calibration.CodecTiming:
+                     device=None) -> calibration.CodecTiming:
     """How a job prices ``comp``'s codec calls before it has run them: at ``codec`` elements/s where
     given, else as the calibration file timed the codec (:func:`hvd_ext.exchange.calibration.codec_timing`
-    under its spec, its own spec, its family, as the planner looks it up), else at ``default``; a codec
-    on the allreduce that the file did not time (a cast, or none) costs nothing."""
+    under its spec, its own spec, its family, as the planner looks it up), else at its family's speed
+    on ``device`` (:func:`hvd_ext.exchange.codec_speed.pass_speed`, the planner's default too)."""
     if codec:
         return calibration.CodecTiming(codec)
     timed = calibration.codec_timing(cal, comp.spec(), comp.codec_spec(), comp.name) if cal else None
     if timed is not None:
         return timed
-    return calibration.CodecTiming(math.inf if comp.collective == "allreduce" else default)
+    return calibration.CodecTiming(codec_speed.pass_speed(comp.name, device))
 
 
 def route_network(size: int, link: Optional[cost.LinkModel], links: Optional[cost.NodeModel], topo,

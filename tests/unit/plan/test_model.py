@@ -347,11 +347,14 @@ def test_a_larger_bucket_pays_the_latency_of_the_unfused_alltoalls_fewer_times()
     assert sum(g.latency for g in f_small.groups) < 2 * sum(g.latency for g in f_large.groups)
 
 
-@pytest.mark.parametrize("cluster", ["p3-v100-25gbe", "pcie-consumer-10gbe", "dgx-a100"])
-def test_the_planner_prices_a_gpu_allreduce_bucket_as_the_jobs_route_choice_does(cluster):
+@pytest.mark.parametrize("cluster, gpu", [("p3-v100-25gbe", "Tesla V100-SXM2-16GB"),
+                                          ("pcie-consumer-10gbe", "NVIDIA GeForce RTX 3090"),
+                                          ("dgx-a100", "NVIDIA A100-SXM4-80GB")])
+def test_the_planner_prices_a_gpu_allreduce_bucket_as_the_jobs_route_choice_does(monkeypatch, cluster, gpu):
     """For a dense float16 bucket on a GPU cluster, the job's route choice for a fixed codec
     (:func:`hvd_ext.exchange.routes.route_options`, on GPU tensors, over the same links, no codec
-    speed known) gives the planner's flat and node-aware link times (NCCL's tree included)."""
+    speed known: the cast at the planner's default speed for the GPU the job runs on) gives the
+    planner's flat and node-aware seconds (NCCL's tree included)."""
     from hvd_ext.exchange import cost
     from hvd_ext.exchange.routes import route_options
     from hvd_ext.exchange.transport import Topology
@@ -363,12 +366,13 @@ def test_the_planner_prices_a_gpu_allreduce_bucket_as_the_jobs_route_choice_does
     p = plan([(2048, 2048)], **kw)
     links = cost.NodeModel(intra=p.cluster.intra, inter=p.cluster.inter)
     ex = _Ex(Topology(0, p.cluster.local, 0, 128), model=links)
-    # no codec speed given and no calibration: a cast on the allreduce is priced as free, its link time dwarfs it
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: gpu)
     opts = route_options(compression_from_spec("fp16"), "auto", 2048 * 2048, 128 * p.cluster.local, exchange=ex,
                          device="cuda")
     flat, node = p.row("fp16", "allreduce").buckets[0], p.row("fp16", "node:allreduce").buckets[0]
-    assert opts["flat_s"] == pytest.approx(flat.link_s, rel=1e-9)
-    assert opts["node_s"] == pytest.approx(node.link_s, rel=1e-9)
+    assert opts["flat_s"] == pytest.approx(flat.seconds, rel=1e-9)
+    assert opts["node_s"] == pytest.approx(node.seconds, rel=1e-9)
+    assert 0 < flat.code < 0.1 * flat.link_s   # the cast: its link time dwarfs it
 
 
 def test_on_a_cpu_horovods_float16_casts_delay_backward_not_the_link():

@@ -3,6 +3,7 @@ measured links and the node layout; flat where node groups are missing or under 
 import warnings
 
 import pytest
+import torch
 
 import hvd_ext
 from hvd_ext.exchange import cost
@@ -89,6 +90,35 @@ def test_the_route_choice_prices_each_route_as_the_planner_does():
             assert opts["node_s"] == pytest.approx(rows[opts["node"]], rel=1e-9), (spec, n, opts, rows)
             assert opts["flat_s"] == pytest.approx(min(t for r, t in rows.items() if not r.startswith("node:")))
             assert opts["node_s"] == pytest.approx(min(t for r, t in rows.items() if r.startswith("node:")))
+
+
+@pytest.mark.parametrize("device, name, preset", [("cpu", None, "cpu"), ("cuda", "NVIDIA A100-SXM4-80GB", "a100"),
+                                                   ("cuda", "NVIDIA V100-SXM2-32GB", "v100")])
+def test_an_untimed_codec_is_priced_at_the_planners_default_for_its_family_and_device(monkeypatch, device, name,
+                                                                                      preset):
+    """With no codec speed and no calibration file, the job prices a codec's calls at its family's
+    speed on its device, as the planner does by default: each route's seconds are the planner's
+    (a GPU's by its name; the CPU figure would price a GPU's codec tens of times too slow)."""
+    from hvd_ext.exchange import codec_speed
+    from hvd_ext.exchange.routes import route_options
+    from hvd_ext.plan import plan
+
+    if name is not None:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
+    two_by_two, model = _Ex(Topology(0, 2, 0, 2)), cost.NodeModel()
+    for spec in ("topk:ratio=0.01", "qsgd:bits=8", "fp16"):  # (codecs with a node-aware route: priced on the links)
+        comp = hvd_ext.compression_from_spec(spec)
+        speed = codec_speed.pass_speed(comp.name, device)
+        assert speed == pytest.approx(codec_speed.PASSES_PER_ROUND_TRIP * codec_speed.round_trip_speed(
+            comp.name, None if device == "cpu" else codec_speed.gpu_copy_gbs(device)))
+        for n in (10 ** 5, 10 ** 7):
+            shapes = [(n // 1000, 1000)]
+            p = plan(shapes, compute_s=0.0, cluster=None, nodes=2, gpus_per_node=2, intra=model.intra,
+                     inter=model.inter, device=preset, methods=[spec], breakeven_search=False, optimizer="none")
+            rows = {r.route: r.buckets[0].seconds for r in p.rows if r.spec == spec}
+            opts = route_options(comp, "auto", shapes, 4, exchange=two_by_two, model=model, device=device)
+            assert opts["flat_s"] == pytest.approx(rows[opts["flat"]], rel=1e-9), (spec, n, opts, rows)
+            assert opts["node_s"] == pytest.approx(rows[opts["node"]], rel=1e-9), (spec, n, opts, rows)
 
 
 def test_route_choice_follows_the_measured_links():
@@ -192,7 +222,7 @@ def test_a_flat_job_across_nodes_prices_its_routes_on_the_files_node_links(tmp_p
     ranks' off-node traffic), as the planner prices them; without the file, on one default link."""
     import json
 
-    from hvd_ext.exchange import calibration
+    from hvd_ext.exchange import calibration, codec_speed
     from hvd_ext.exchange.bucket_cost import Network, flat_cost
     from hvd_ext.exchange.routes import route_options
 
@@ -210,6 +240,7 @@ def test_a_flat_job_across_nodes_prices_its_routes_on_the_files_node_links(tmp_p
     assert opts["node"] is None and ex.models_asked == 0   # flat: no node links measured
     links = calibration.node_model(cal)
     net = Network(2, 2, links.intra, links.inter)
-    own = flat_cost("allreduce", n, 2 * n, 0.0, 0.0, net, collectives=("alltoall", "allgather"))
+    cast = n / codec_speed.pass_speed("fp16")   # not timed by the file: the family's speed on a CPU
+    own = flat_cost("allreduce", n, 2 * n, cast, cast, net, collectives=("alltoall", "allgather"))
     assert opts["flat_s"] == pytest.approx(own.seconds, rel=1e-9)  # a CPU: hvd_ext sums float16 itself
     assert opts["flat_s"] > 10 * default["flat_s"]
