@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -50,6 +50,7 @@ from ..ops.device import Timer
 from ..spec import compression_from_spec
 
 SMALL, LARGE = 256, 4 * 1024 * 1024  # floats per allreduce probe
+BUSY_ROUNDS = 3  # rounds of tries of each collective inside a step (_measure_busy_latency)
 
 
 def time_codec(spec: str, numel: int, device, reps: int = 3) -> float:
@@ -179,21 +180,22 @@ def _measure_compute(job: _Job, step: Callable[[], Any], steps: int, runs: int =
 
 def _measure_busy_latency(job: _Job, step: Callable[[], Any], steps: int, tag: str = "busy",
                           kinds: Sequence[str] = calibration.COLLECTIVES,
-                          agree: Optional[_Job] = None) -> Dict[str, float]:
+                          agree: Optional[_Job] = None, rounds: int = BUSY_ROUNDS) -> Dict[str, float]:
     """Each kind of collective's seconds right after a ``step`` on every rank (the mean over all
-    ranks, ``agree``'s, of the median over ``steps`` tries): the fixed cost a collective has inside
-    a training step."""
+    ranks, ``agree``'s, of the median over ``rounds`` x ``steps`` tries, the kinds in turns): the fixed
+    cost a collective has inside a training step. Where ranks share cores the tries are heavy-tailed
+    (a rank waits off its core), and the median of one short run moves from run to run: the tries
+    are taken in rounds and pooled."""
     run = job.small_collectives(tag)
-    medians = []
-    for kind in kinds:
-        times = []
-        for _ in range(steps):
-            job.run_step(step)
-            t0 = time.perf_counter()
-            run[kind]()
-            times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
-    return dict(zip(kinds, (agree or job).mean(medians)))
+    times: Dict[str, List[float]] = {kind: [] for kind in kinds}
+    for _ in range(rounds):
+        for kind in kinds:
+            for _ in range(steps):
+                job.run_step(step)
+                t0 = time.perf_counter()
+                run[kind]()
+                times[kind].append(time.perf_counter() - t0)
+    return dict(zip(kinds, (agree or job).mean([statistics.median(times[k]) for k in kinds])))
 
 
 def _measure_node_busy_latency(job: _Job, step: Callable[[], Any], steps: int, links: Dict[str, Any]) -> None:

@@ -154,6 +154,39 @@ def test_collectives_timed_inside_a_step_replace_the_idle_ones():
     assert one == pytest.approx(0.03 - 1e-4, rel=1e-6)  # Horovod: one fused allreduce
 
 
+def test_a_collectives_cost_inside_a_step_is_the_median_of_its_tries_pooled_over_rounds(monkeypatch):
+    """Tries inside a step are heavy-tailed where ranks share cores: a run of slow tries (a rank off its
+    core) does not decide the figure when the kinds are tried in turns, round after round, and each
+    kind's tries are pooled."""
+    import types
+
+    from hvd_ext.plan import calibration as measure
+
+    clock, calls = [0.0], []
+    slow_first_round = {"allreduce": 1.0, "alltoall": 0.5}
+
+    class Job:
+        def small_collectives(self, tag):
+            def run(kind):
+                def go():
+                    first = sum(1 for k in calls if k == kind) < 4
+                    calls.append(kind)
+                    clock[0] += slow_first_round[kind] if first else 0.01
+                return go
+            return {k: run(k) for k in slow_first_round}
+
+        def run_step(self, step):
+            step()
+
+        def mean(self, values):
+            return list(values)
+
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    got = measure._measure_busy_latency(Job(), lambda: None, steps=4, kinds=("allreduce", "alltoall"))
+    assert calls == (["allreduce"] * 4 + ["alltoall"] * 4) * measure.BUSY_ROUNDS
+    assert got == pytest.approx({"allreduce": 0.01, "alltoall": 0.01})   # one round alone: 1.0 and 0.5
+
+
 def test_a_nodes_collectives_timed_inside_a_step_price_the_node_aware_routes_first():
     """Across nodes, the node-aware route's first collective (the reduce-scatter in the node) waits
     for the slowest rank: it costs a node's alltoall as timed inside a step; the collectives after it
