@@ -80,10 +80,13 @@ def _a2a_rank(r: int, n: int, start: float, q) -> None:
     t.join()
     buf, times = bytes(A2A_BYTES), []
 
-    def recv(c):
+    def recv(c):  # this round's bytes only (the next round's may follow them)
         got = 0
         while got < A2A_BYTES:
-            got += len(c.recv(1 << 20))
+            b = c.recv(min(1 << 20, A2A_BYTES - got))
+            if not b:
+                raise ConnectionError("shaper_check: a peer closed its connection")
+            got += len(b)
 
     for k in range(A2A_ROUNDS):
         time.sleep(max(0.0, start + 0.5 + k - time.time()))  # every rank starts the round at once
@@ -114,7 +117,9 @@ def alltoall_probe(n: int) -> dict:
 
 
 def worker(args) -> None:
-    out = {"idle": {str(s): idle_probe(s) for s in IDLE_SIZES}, "alltoall": alltoall_probe(args.ranks)}
+    out = {"idle": {str(s): idle_probe(s) for s in IDLE_SIZES}}
+    if args.only != "idle":
+        out["alltoall"] = alltoall_probe(args.ranks)
     print(json.dumps(out))
 
 
@@ -145,6 +150,7 @@ def main(argv=None):
     ap.add_argument("--rates", nargs="+", default=["100mbit", "1gbit"])
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--only", choices=["idle"], default=None, help="the worker: only the idle probe")
     common.add_load_option(ap)
     args = ap.parse_args(argv)
     if args.worker:

@@ -3,12 +3,12 @@
 One codec round trip (compress, then decode-and-sum of two payloads) on one CPU core, per codec
 family, from ``benchmarks/results/throughput.json``; a pass (one encode, or one decode) is a third
 of it. On a GPU the codecs are bandwidth-bound passes over the gradient (``docs/gpu.md``): the CPU
-figure scales with the device's copy bandwidth, at the kernels' target share of it. A calibration
+figure scales with the device's copy bandwidth, at the kernels' target share of it (a job: a V100's). A calibration
 file (``python -m hvd_ext.plan --measure``) replaces these with the job's own device.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 
@@ -22,13 +22,10 @@ CPU_ROUND_TRIP: Dict[str, float] = {
 PASSES_PER_ROUND_TRIP = 3.0
 CPU_COPY_GBS = 12.96  # one core of the testbed: memcpy of 16M floats (benchmarks/results/throughput.json)
 GPU_KERNEL_FRACTION = 0.5  # docs/gpu.md: each kernel's target share of the device's copy bandwidth
-# memory bandwidth (GB/s) by the name torch gives the device, first match wins (NVIDIA datasheets)
-GPU_COPY_GBS: Tuple[Tuple[str, float], ...] = (
-    ("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0), ("A100-SXM4-80GB", 2039.0),
-    ("A100 80GB PCIe", 1935.0), ("A100", 1555.0), ("V100", 900.0), ("RTX 3090", 936.0),
-    ("L40", 864.0), ("A10", 600.0), ("T4", 320.0), ("L4", 300.0),
-)
-UNNAMED_GPU_COPY_GBS = 900.0  # a GPU the table does not name: priced as a V100
+# A GPU whatever its model, priced as a V100 (900 GB/s HBM2, NVIDIA's datasheet; the slowest GPU of the
+# planner's presets): every rank of a job takes the same figure, which its route choice needs (a
+# rank-local one, such as the device's name, could part the ranks' routes on a mixed cluster).
+GPU_COPY_GBS = 900.0
 
 
 def round_trip_speed(family: str, gpu_gbs: Optional[float] = None) -> float:
@@ -39,16 +36,10 @@ def round_trip_speed(family: str, gpu_gbs: Optional[float] = None) -> float:
 
 
 def gpu_copy_gbs(device) -> Optional[float]:
-    """The copy bandwidth of ``device`` (a ``torch.device`` or its name) where it is a GPU, by its name
-    (:data:`GPU_COPY_GBS`); None for a CPU."""
+    """The copy bandwidth :func:`round_trip_speed` takes for ``device`` (a ``torch.device`` or its name):
+    :data:`GPU_COPY_GBS` for a GPU, None for a CPU."""
     device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type != "cuda":
-        return None
-    try:
-        name = torch.cuda.get_device_name(device)
-    except (RuntimeError, AssertionError):  # no driver here: the name cannot be read
-        return UNNAMED_GPU_COPY_GBS
-    return next((gbs for key, gbs in GPU_COPY_GBS if key in name), UNNAMED_GPU_COPY_GBS)
+    return GPU_COPY_GBS if device.type == "cuda" else None
 
 
 def pass_speed(family: str, device=None) -> float:

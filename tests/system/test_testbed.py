@@ -149,43 +149,18 @@ def test_shaped_allreduce_bandwidth_within_30_percent():
     assert 70 <= res["aggregate_mbit_s"] <= 130, f"allreduce over 100 Mbit/s measured {res['aggregate_mbit_s']:.1f}"
 
 
-_AFTER_IDLE = """
-import socket, sys, threading, time
-size = int(sys.argv[1])
-srv = socket.create_server(("127.0.0.1", 0))
-def sink():
-    c, _ = srv.accept()
-    while True:
-        got = 0
-        while got < size:
-            b = c.recv(1 << 20)
-            if not b:
-                return
-            got += len(b)
-        c.sendall(b"k")
-threading.Thread(target=sink, daemon=True).start()
-s = socket.create_connection(srv.getsockname())
-times = []
-for _ in range(5):
-    time.sleep(0.1)  # an idle spell: a token bucket refills
-    t0 = time.perf_counter()
-    s.sendall(bytes(size))
-    s.recv(1)
-    times.append(time.perf_counter() - t0)
-print(sorted(times)[2])
-"""
-
-
 @needs_testbed
 @pytest.mark.parametrize("opts, at_rate", [([], False), (["--mtu", "9000", "--burst", "16kb", "--latency", "400ms"],
                                                           True)])
 def test_a_link_shaped_with_a_small_bucket_sends_at_its_rate_after_an_idle_spell(opts, at_rate):
-    """200 KB after 100 ms idle at 100 Mbit/s take 16 ms on a link; the default 256 KiB bucket lets them
-    through at once (the burst a real NIC does not give); loopback's MTU lowered, a 16 KiB bucket does not."""
-    r = _shaped("--rate", "100mbit", *opts, "--", sys.executable, "-c", _AFTER_IDLE, "200000", timeout=60)
+    """300 KB after 50 ms idle at 100 Mbit/s take 24 ms on a link; the default 256 KiB bucket lets most
+    through at once (the burst a real NIC does not give); loopback's MTU lowered, a 16 KiB bucket does not
+    (benchmarks/shaper_check.py's probe)."""
+    r = _shaped("--rate", "100mbit", *opts, "--", sys.executable, str(ROOT / "benchmarks" / "shaper_check.py"),
+                "--worker", "--only", "idle", timeout=60)
     assert r.returncode == 0, r.stderr
-    took = float(r.stdout.strip().splitlines()[-1])
-    assert (took > 0.6 * 0.016) == at_rate, f"200 KB after an idle spell took {took * 1e3:.1f} ms ({opts})"
+    took = json.loads(r.stdout.strip().splitlines()[-1])["idle"]["300000"]
+    assert (took > 0.6 * 0.024) == at_rate, f"300 KB after an idle spell took {took * 1e3:.1f} ms ({opts})"
 
 
 def _run_testbed(args, timeout, env=None):
@@ -311,6 +286,10 @@ def test_multinode_clear_errors():
     assert r.returncode == 2 and "--mtu" in r.stderr and "single-namespace" in r.stderr
     r = _shaped("--rate", "100mbit", "--mtu", "9k", "--", "true")
     assert r.returncode == 2 and "--mtu must be 1280..65536" in r.stderr
+    r = _shaped("--rate", "100mbit", "--burst", "16kb", "--", "true")   # loopback's MTU: 64 KiB
+    assert r.returncode == 2 and "smaller than the shaped device's MTU (65536 bytes)" in r.stderr, r.stderr
+    r = _shaped("--rate", "100mbit", "--mtu", "9000", "--burst", "16kb", "--", "true")
+    assert r.returncode == 0, r.stderr
 
 
 @needs_testbed

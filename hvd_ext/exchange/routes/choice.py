@@ -145,7 +145,8 @@ def job_codec_timing(comp: Compressor, cal: Optional[Dict[str, Any]], codec: Opt
     """How a job prices ``comp``'s codec calls before it has run them: at ``codec`` elements/s where
     given, else as the calibration file timed the codec (:func:`hvd_ext.exchange.calibration.codec_timing`
     under its spec, its own spec, its family, as the planner looks it up), else at its family's speed
-    on ``device`` (:func:`hvd_ext.exchange.codec_speed.pass_speed`, the planner's default too)."""
+    on ``device`` (:func:`hvd_ext.exchange.codec_speed.pass_speed`, the planner's default too; the
+    same on every rank). A link's own ``codec`` figure is not used."""
     if codec:
         return calibration.CodecTiming(codec)
     timed = calibration.codec_timing(cal, comp.spec(), comp.codec_spec(), comp.name) if cal else None
