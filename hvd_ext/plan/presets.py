@@ -43,7 +43,8 @@ class Device:
 
 DEVICES: Dict[str, Device] = {
     "a100": Device("A100 80GB SXM", 2039.0, 312.0, "NVIDIA A100 datasheet (2021): 2,039 GB/s HBM2e, 312 TFLOPS bf16"),
-    "v100": Device("V100 SXM2", codec_speed.GPU_COPY_GBS, 125.0, "NVIDIA V100 datasheet (2020): 900 GB/s HBM2, 125 TFLOPS fp16"),
+    "v100": Device("V100 SXM2", codec_speed.GPU_COPY_GBS, 125.0,
+                   "NVIDIA V100 datasheet (2020): 900 GB/s HBM2, 125 TFLOPS fp16"),
     "rtx3090": Device("GeForce RTX 3090", 936.0, 71.0,
                       "NVIDIA Ampere GA102 whitepaper (2020): 936 GB/s GDDR6X, 71 TFLOPS fp16 tensor"),
     "cpu": Device("one CPU core (this testbed)", codec_speed.CPU_COPY_GBS, 0.05,
