@@ -117,7 +117,7 @@ def check_testbed() -> Optional[str]:
     return None
 
 
-# The testbed's shapers (tc tbf). ``bucket``: DESIGN.md's testbed, a 256 KiB bucket over loopback's 64 KiB
+# The testbed's shapers (tc tbf). ``bucket``: scripts/shaped-cluster's default, a 256 KiB bucket over loopback's 64 KiB
 # MTU, which lets 256 KiB through at once after every idle spell, and a 50 ms queue; ``line``: loopback's
 # MTU lowered to 9000, a 16 KiB bucket and a 400 ms queue, a link at its rate with no such allowance and
 # no drops where every rank sends at once (8 ranks' alltoall overflows a 50 ms queue: TCP then recovers

@@ -3,8 +3,9 @@
 One codec round trip (compress, then decode-and-sum of two payloads) on one CPU core, per codec
 family, from ``benchmarks/results/throughput.json``; a pass (one encode, or one decode) is a third
 of it. On a GPU the codecs are bandwidth-bound passes over the gradient (``docs/gpu.md``): the CPU
-figure scales with the device's copy bandwidth, at the kernels' target share of it (a job: a V100's). A calibration
-file (``python -m hvd_ext.plan --measure``) replaces these with the job's own device.
+figure scales with the device's copy bandwidth, at the kernels' target share of it (a job: a
+V100's). A calibration file (``python -m hvd_ext.plan --measure``) replaces these with the job's own
+device.
 """
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ def gpu_copy_gbs(device) -> Optional[float]:
     return GPU_COPY_GBS if device.type == "cuda" else None
 
 
+def pass_speed_at(family: str, gpu_gbs: Optional[float] = None) -> float:
+    """Elements per second of one pass of ``family``'s codec on a CPU core, or on a GPU of ``gpu_gbs``
+    GB/s (the planner's default for a named device)."""
+    return PASSES_PER_ROUND_TRIP * round_trip_speed(family, gpu_gbs)
+
+
 def pass_speed(family: str, device=None) -> float:
     """Elements per second of one pass of ``family``'s codec on ``device`` (default: a CPU core)."""
-    return PASSES_PER_ROUND_TRIP * round_trip_speed(family, gpu_copy_gbs(device))
+    return pass_speed_at(family, gpu_copy_gbs(device))

@@ -214,8 +214,9 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
                         "cpu" if (calibration or {}).get("device", "cpu") == "cpu" else None)
     if device not in presets.DEVICES:
         raise ValueError(f"plan: unknown device {device!r}; accepted: {', '.join(presets.DEVICES)}")
-    codec = {fam: codec_speed.PASSES_PER_ROUND_TRIP * presets.codec_speed_on(fam, device)
-             for fam in presets.CPU_CODEC_ELEMS_PER_S}
+    # each family's default, as a job prices a codec no file timed (its device here a named preset)
+    gbs = None if device == "cpu" else presets.DEVICES[device].copy_gbs
+    codec = {fam: codec_speed.pass_speed_at(fam, gbs) for fam in codec_speed.CPU_ROUND_TRIP}
     codec.update((calibration or {}).get("codec", {}))
     fixed = dict((calibration or {}).get("codec_fixed_s", {}))
     same_world = cal_file.timed_here(calibration, nodes * local, nodes, local)

@@ -1,4 +1,5 @@
-"""Named clusters, published models and codec speeds: the planner's inputs when nothing is measured.
+"""Named clusters and published models: the planner's inputs when nothing is measured (the codecs'
+speeds: :mod:`hvd_ext.exchange.codec_speed`).
 
 Every figure says where it comes from. They are starting points: ``python -m hvd_ext.plan --measure``
 on the user's own cluster replaces the links and codec speeds (:mod:`hvd_ext.plan.calibration`).
@@ -106,17 +107,6 @@ MODELS: Dict[str, PublishedModel] = {
         "GPT-3 XL size (Brown et al. 2020: 1.3B parameters, context 2048); 6 x params FLOPs per token; "
         "mfu 0.40 as above"),
 }
-
-# Codec round-trip speed on one CPU core, per family (hvd_ext.exchange.codec_speed: a job's route
-# choice prices an untimed codec with the same figures); a spec's own measurement (--measure) takes precedence.
-CPU_CODEC_ELEMS_PER_S: Dict[str, float] = codec_speed.CPU_ROUND_TRIP
-
-
-def codec_speed_on(family: str, device: str) -> float:
-    """Elements per second of one codec round trip on ``device`` (a key of :data:`DEVICES`): a GPU's is
-    the CPU figure scaled by the copy bandwidths (:func:`hvd_ext.exchange.codec_speed.round_trip_speed`)."""
-    return codec_speed.round_trip_speed(family, None if device == "cpu" else DEVICES[device].copy_gbs)
-
 
 def compute_seconds(model: PublishedModel, device: str) -> float:
     """One step's forward + backward on one GPU of ``device`` (see :class:`PublishedModel`)."""
