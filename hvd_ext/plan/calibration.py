@@ -4,7 +4,8 @@
 
 Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job's nodes. It measures:
 
-* **the flat link** -- a small and a large allreduce over all ranks (the fastest of a few tries),
+* **the flat link** -- a small and a large allreduce over all ranks (the fastest of a few tries; the
+  large one of gradient-like values, :func:`gradient_like`),
   fitted to ``lat + wire / bandwidth``, as ``auto``'s own probe does; and the fixed cost of each
   kind of collective the routes use (a small allreduce, allgather and alltoall: under a
   launcher whose alltoall is slow, the two-phase routes pay it on every bucket);
@@ -53,11 +54,18 @@ SMALL, LARGE = 256, 4 * 1024 * 1024  # floats per allreduce probe
 BUSY_ROUNDS = 3  # rounds of tries of each collective inside a step (_measure_busy_latency)
 
 
+def gradient_like(numel: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``numel`` values drawn as a gradient's (a Laplace sample, small and centred): what the codecs and
+    sums are timed on. Zeros would not do: on a CPU, float16 arithmetic in scalar code (Horovod's sum)
+    takes a fast path on zeros and a slow one on the float16 subnormals a gradient has many of."""
+    return torch.distributions.Laplace(0.0, 1e-3).sample((numel,)).to(device=device, dtype=dtype)
+
+
 def time_codec(spec: str, numel: int, device, reps: int = 3) -> float:
     """Seconds of one pass (encode or decode) of ``spec`` over ``numel`` elements on ``device``: the
     fastest of ``reps`` round trips, halved."""
     comp = compression_from_spec(spec)
-    g = torch.distributions.Laplace(0.0, 1e-3).sample((numel,)).to(device)
+    g = gradient_like(numel, device)
     shape = torch.Size([64, numel // 64]) if numel % 64 == 0 else torch.Size([numel])
     g = g.reshape(shape)
     best = None
@@ -129,12 +137,19 @@ class _Job:
 def _flat_link(job: _Job, tag: str, kinds: Sequence[str] = calibration.COLLECTIVES,
                dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
     """A small and a large allreduce of ``dtype`` over all ranks, fitted to ``lat + wire / bandwidth``, and
-    the fixed cost of each collective of ``kinds`` (``lat_by_kind``, left out without kinds)."""
-    large = torch.zeros(LARGE, device=job.device, dtype=dtype)
+    the fixed cost of each collective of ``kinds`` (``lat_by_kind``, left out without kinds). The large
+    one sums :func:`gradient_like` values, as training does (an allreduce is in place: a fresh copy each try)."""
+    values = gradient_like(LARGE, job.device, dtype)
+    large = values.clone()
     run = job.small_collectives(tag)
     run["allreduce"]()  # the ranks start together
     t_small = best_time(run["allreduce"], 5)
-    t_large = best_time(lambda: job.allreduce(large, f"hvd_ext.calibrate.{tag}.large"), 3)
+    t_large = float("inf")
+    for _ in range(3):
+        large.copy_(values)
+        t0 = time.perf_counter()
+        job.allreduce(large, f"hvd_ext.calibrate.{tag}.large")
+        t_large = min(t_large, time.perf_counter() - t0)
     t_kinds = [t_small if k == "allreduce" else best_time(run[k], 5) for k in kinds]
     t_small, t_large, *t_kinds = job.mean([t_small, t_large, *t_kinds])
     wire = cost.allreduce_wire(large.element_size() * (LARGE - SMALL), job.N)

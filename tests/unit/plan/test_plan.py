@@ -187,6 +187,38 @@ def test_a_collectives_cost_inside_a_step_is_the_median_of_its_tries_pooled_over
     assert got == pytest.approx({"allreduce": 0.01, "alltoall": 0.01})   # one round alone: 1.0 and 0.5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_link_probe_sums_gradient_like_values_afresh_every_try(dtype):
+    """Horovod's float16 sum on a CPU is scalar code whose speed depends on the values (zeros take its
+    fast path): the large probe sums values drawn as a gradient's, many of them float16 subnormals, and
+    the same values every try although an allreduce reduces in place."""
+    from hvd_ext.plan import calibration as measure
+
+    seen = []
+
+    class Job:
+        device, N = torch.device("cpu"), 2
+
+        def small_collectives(self, tag):
+            return {"allreduce": lambda: None}
+
+        def allreduce(self, t, name):
+            if name.endswith(".large"):
+                seen.append(t.clone())
+                t.mul_(self.N)  # in place, as Horovod sums
+
+        def mean(self, values):
+            return list(values)
+
+    link = measure._flat_link(Job(), "probe", kinds=(), dtype=dtype)
+    assert link["bandwidth"] > 0 and len(seen) == 3
+    assert all(torch.equal(s, seen[0]) for s in seen) and seen[0].dtype == dtype
+    nonzero = seen[0] != 0
+    assert nonzero.float().mean() > 0.99
+    if dtype == torch.float16:  # below float16's smallest normal value (6.1e-5): its slow path
+        assert (nonzero & (seen[0].abs() < 6.1e-5)).float().mean() > 0.02
+
+
 def test_a_nodes_collectives_timed_inside_a_step_price_the_node_aware_routes_first():
     """Across nodes, the node-aware route's first collective (the reduce-scatter in the node) waits
     for the slowest rank: it costs a node's alltoall as timed inside a step; the collectives after it
