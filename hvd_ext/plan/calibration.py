@@ -46,6 +46,7 @@ from ..auto import DEFAULT_CANDIDATES
 from ..compression.base import Continue, TensorInfo
 from ..exchange import calibration, cost
 from ..exchange.probe import best_time
+from ..exchange.routes import STEADY_STEP
 from ..ops.cpu_kernels import MIN_NUMEL, compile_enabled
 from ..ops.device import Timer
 from ..spec import compression_from_spec
@@ -63,14 +64,15 @@ def gradient_like(numel: int, device, dtype: torch.dtype = torch.float32) -> tor
 
 def time_codec(spec: str, numel: int, device, reps: int = 3) -> float:
     """Seconds of one pass (encode or decode) of ``spec`` over ``numel`` elements on ``device``: the
-    fastest of ``reps`` round trips, halved."""
+    fastest of ``reps`` round trips, halved; in the codec's steady state (past its dense warm-up, as
+    the planner prices its bytes: ``STEADY_STEP``)."""
     comp = compression_from_spec(spec)
     g = gradient_like(numel, device)
     shape = torch.Size([64, numel // 64]) if numel % 64 == 0 else torch.Size([numel])
     g = g.reshape(shape)
     best = None
     for step in range(reps + 1):  # the first round pays one-time allocations and compiles
-        info = TensorInfo(name="calibration", shape=shape, step=step, rank=0, size=2, scale=0.5)
+        info = TensorInfo(name="calibration", shape=shape, step=STEADY_STEP + step, rank=0, size=2, scale=0.5)
         timer = Timer(device)
         timer.mark()
         payload, ctx = comp.compress(g, info)

@@ -409,6 +409,29 @@ def test_presets_cite_their_sources():
         assert len(m.source) > 40
 
 
+def test_a_codec_is_timed_past_its_dense_warm_up(monkeypatch):
+    """PowerSGD sends its first exchanges dense (``warmup=``, 100 by default): timed there, its codec
+    would look free. The calibration times every codec in the steady state the planner prices."""
+    from hvd_ext.plan import calibration as measure
+    from hvd_ext.spec import compression_from_spec
+
+    comp = compression_from_spec("powersgd")
+    assert comp.warmup_length() > 0
+    seen = []
+    real = comp.compress
+
+    def compress(g, info):
+        payload, ctx = real(g, info)
+        seen.append((info.step, payload.numel(), g.numel()))
+        return payload, ctx
+
+    comp.compress = compress
+    monkeypatch.setattr(measure, "compression_from_spec", lambda spec: comp)
+    assert measure.time_codec("powersgd", 64 * 256, torch.device("cpu"), reps=2) > 0
+    assert seen and all(step >= comp.warmup_length() for step, _, _ in seen)
+    assert all(sent < numel / 4 for _, sent, numel in seen)  # the low-rank factors, not the dense tensor
+
+
 def test_codec_speed_fitted_where_the_jobs_calls_run(monkeypatch):
     """On a CPU the codec's speed is fitted on sizes that run as the job's layers do (below the compile
     threshold); the speed at the large size is kept apart only when that size alone runs compiled."""
