@@ -7,8 +7,8 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
 * **the flat link** -- a small and a large allreduce over all ranks (the fastest of a few tries; the
   large one of gradient-like values, :func:`gradient_like`),
   fitted to ``lat + wire / bandwidth``, as ``auto``'s own probe does; and the fixed cost of each
-  kind of collective the routes use (a small allreduce, allgather and alltoall: under a
-  launcher whose alltoall is slow, the two-phase routes pay it on every bucket);
+  kind of collective the routes use, the median of its tries (a small allreduce, allgather and
+  alltoall: under a launcher whose alltoall is slow, the two-phase routes pay it on every bucket);
 * **the node links** -- with several nodes of several ranks, the intra- and inter-node probes of
   :func:`hvd_ext.exchange.probe.measure_node_model`; on one node the intra link is the flat one;
 * **codec speed** -- every listed spec (and ``auto``'s candidates) compresses and decodes a small
@@ -45,7 +45,6 @@ import torch
 from ..auto import DEFAULT_CANDIDATES
 from ..compression.base import Continue, TensorInfo
 from ..exchange import calibration, cost
-from ..exchange.probe import best_time
 from ..exchange.routes import STEADY_STEP
 from ..ops.cpu_kernels import MIN_NUMEL, compile_enabled
 from ..ops.device import Timer
@@ -136,23 +135,37 @@ class _Job:
             torch.cuda.synchronize(self.device)
 
 
+def _tries(run: Callable[[], Any], reps: int) -> List[float]:
+    """Seconds of each of ``reps`` calls of ``run``, back to back."""
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def _flat_link(job: _Job, tag: str, kinds: Sequence[str] = calibration.COLLECTIVES,
                dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
-    """A small and a large allreduce of ``dtype`` over all ranks, fitted to ``lat + wire / bandwidth``, and
-    the fixed cost of each collective of ``kinds`` (``lat_by_kind``, left out without kinds). The large
-    one sums :func:`gradient_like` values, as training does (an allreduce is in place: a fresh copy each try)."""
+    """A small and a large allreduce of ``dtype`` over all ranks, the fastest of a few tries each, fitted
+    to ``lat + wire / bandwidth``; and the fixed cost of each collective of ``kinds`` as a bucket's later
+    collectives pay it, the median of its tries (``lat_by_kind``, left out without kinds): a collective
+    waits for the next cycle of Horovod's background thread, which the fastest try happened not to.
+    The large allreduce sums :func:`gradient_like` values, as training does (an allreduce is in place:
+    a fresh copy each try)."""
     values = gradient_like(LARGE, job.device, dtype)
     large = values.clone()
     run = job.small_collectives(tag)
     run["allreduce"]()  # the ranks start together
-    t_small = best_time(run["allreduce"], 5)
+    small_tries = _tries(run["allreduce"], 5)
+    t_small = min(small_tries)
     t_large = float("inf")
     for _ in range(3):
         large.copy_(values)
         t0 = time.perf_counter()
         job.allreduce(large, f"hvd_ext.calibrate.{tag}.large")
         t_large = min(t_large, time.perf_counter() - t0)
-    t_kinds = [t_small if k == "allreduce" else best_time(run[k], 5) for k in kinds]
+    t_kinds = [statistics.median(small_tries if k == "allreduce" else _tries(run[k], 5)) for k in kinds]
     t_small, t_large, *t_kinds = job.mean([t_small, t_large, *t_kinds])
     wire = cost.allreduce_wire(large.element_size() * (LARGE - SMALL), job.N)
     link = {"lat": t_small, "bandwidth": wire / max(t_large - t_small, 1e-7)}

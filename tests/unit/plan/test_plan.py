@@ -187,6 +187,42 @@ def test_a_collectives_cost_inside_a_step_is_the_median_of_its_tries_pooled_over
     assert got == pytest.approx({"allreduce": 0.01, "alltoall": 0.01})   # one round alone: 1.0 and 0.5
 
 
+def test_a_later_collective_is_priced_at_its_typical_cost_the_link_at_its_fastest(monkeypatch):
+    """A collective waits for the next cycle of Horovod's background thread; the fastest of a few tries
+    happened not to. The link's fit keeps the fastest tries (the link itself); each kind's fixed cost,
+    which a bucket's later collectives pay, is the median of its tries."""
+    import types
+
+    from hvd_ext.plan import calibration as measure
+
+    clock, n = [0.0], {"allreduce": 0, "alltoall": 0}
+    cost = {"allreduce": [1e-3, 3e-3, 3e-3, 1e-3, 3e-3], "alltoall": [2e-3, 4e-3, 4e-3, 4e-3, 2e-3]}
+
+    def collective(kind):
+        def go():
+            k = n[kind]
+            n[kind] += 1
+            clock[0] += cost[kind][(k - 1) % 5] if kind == "allreduce" else cost[kind][k % 5]
+        return go
+
+    class Job:
+        device, N = torch.device("cpu"), 2
+
+        def small_collectives(self, tag):
+            return {k: collective(k) for k in cost}
+
+        def allreduce(self, t, name):
+            clock[0] += 0.01
+
+        def mean(self, values):
+            return list(values)
+
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    link = measure._flat_link(Job(), "probe", kinds=("allreduce", "alltoall"))
+    assert link["lat"] == pytest.approx(1e-3)  # the fit: the fastest small allreduce
+    assert link["lat_by_kind"] == pytest.approx({"allreduce": 3e-3, "alltoall": 4e-3})
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_link_probe_sums_gradient_like_values_afresh_every_try(dtype):
     """Horovod's float16 sum on a CPU is scalar code whose speed depends on the values (zeros take its
