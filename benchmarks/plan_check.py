@@ -18,9 +18,10 @@ exchange where it is compressed), its short queue drop 8 ranks' alltoall.
    right after that step (``busy_lat_by_kind``: waiting for the slowest rank and, with ranks
    sharing cores, for the scheduler);
 2. the methods take turns, ``--rounds`` rounds of ``--steps`` steps (as ``overhead.py``), so this
-   machine's drift hits them alike; measured: median ms/step, and each round's (its spread),
-   bytes sent per rank per step; the
-   step without any exchange takes its turns too, against the calibrated compute time; the sparse
+   machine's drift hits them alike; measured: median ms/step (each rank's median over the rounds,
+   the ranks' mean) and each round's (the ranks' mean: the row's spread), bytes sent per rank per
+   step; the step without any exchange takes its turns too, against the calibrated compute time;
+   the sparse
    reduce-scatter is timed after its first rebalance of the owner ranges (the steady state the
    planner predicts: before it, the ranges are even and the entries are not);
 3. ``hvd_ext.plan.plan`` predicts every method from that calibration, on the route the job took;
@@ -61,6 +62,7 @@ METHODS = {
     "topk:ratio=0.01,exchange=twophase": ("topk:ratio=0.01,exchange=twophase", "sparse_rs"),
     "powersgd:warmup=0": ("powersgd:warmup=0", "allreduce"),  # its steady state, as the plan predicts
 }
+WITHIN = (0.75, 1.25)  # the step-time target: predicted / measured within +-25%
 
 
 def worker(args) -> None:
@@ -256,15 +258,13 @@ def rescore(paths) -> str:
     return "\n".join(lines)
 
 
-WITHIN = (0.75, 1.25)  # the step-time target: predicted / measured
-
-
 def round_ratios(predicted_ms: float, row: dict) -> list:
     """Predicted / each round's measured step (none where the run kept no rounds)."""
     return [predicted_ms / t for t in row.get("measured_rounds_ms", []) if t > 0]
 
 
 def spread(predicted_ms: float, row: dict) -> str:
+    """The range of :func:`round_ratios`, as the tables print it."""
     q = round_ratios(predicted_ms, row)
     return f"{min(q):.2f}-{max(q):.2f}" if q else "-"
 

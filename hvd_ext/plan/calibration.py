@@ -55,16 +55,18 @@ BUSY_ROUNDS = 3  # rounds of tries of each collective inside a step (_measure_bu
 
 
 def gradient_like(numel: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``numel`` values drawn as a gradient's (a Laplace sample, small and centred): what the codecs and
-    sums are timed on. Zeros would not do: on a CPU, float16 arithmetic in scalar code (Horovod's sum)
-    takes a fast path on zeros and a slow one on the float16 subnormals a gradient has many of."""
-    return torch.distributions.Laplace(0.0, 1e-3).sample((numel,)).to(device=device, dtype=dtype)
+    """``numel`` values drawn as a gradient's (a Laplace sample, small and centred, some of them float16
+    subnormals): what the codecs and sums are timed on. Zeros would not do: on a CPU, float16 arithmetic
+    in scalar code (Horovod's sum) takes a fast path on zeros and a slow one on subnormals. The draw
+    leaves the caller's random stream as it was (a job may calibrate in the middle of training)."""
+    with torch.random.fork_rng(devices=[]):
+        return torch.distributions.Laplace(0.0, 1e-3).sample((numel,)).to(device=device, dtype=dtype)
 
 
 def time_codec(spec: str, numel: int, device, reps: int = 3) -> float:
     """Seconds of one pass (encode or decode) of ``spec`` over ``numel`` elements on ``device``: the
-    fastest of ``reps`` round trips, halved; in the codec's steady state (past its dense warm-up, as
-    the planner prices its bytes: ``STEADY_STEP``)."""
+    fastest of ``reps`` round trips, halved; in the codec's steady state (past any dense warm-up or
+    density ramp, as the planner prices its bytes: ``STEADY_STEP``)."""
     comp = compression_from_spec(spec)
     g = gradient_like(numel, device)
     shape = torch.Size([64, numel // 64]) if numel % 64 == 0 else torch.Size([numel])
@@ -147,8 +149,8 @@ def _tries(run: Callable[[], Any], reps: int) -> List[float]:
 
 def _flat_link(job: _Job, tag: str, kinds: Sequence[str] = calibration.COLLECTIVES,
                dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
-    """A small and a large allreduce of ``dtype`` over all ranks, the fastest of a few tries each, fitted
-    to ``lat + wire / bandwidth``; and the fixed cost of each collective of ``kinds`` as a bucket's later
+    """A small float32 allreduce and a large one of ``dtype`` over all ranks, the fastest of a few tries
+    each, fitted to ``lat + wire / bandwidth``; and the fixed cost of each collective of ``kinds`` as a bucket's later
     collectives pay it, the median of its tries (``lat_by_kind``, left out without kinds): a collective
     waits for the next cycle of Horovod's background thread, which the fastest try happened not to.
     The large allreduce sums :func:`gradient_like` values, as training does (an allreduce is in place:
@@ -162,6 +164,8 @@ def _flat_link(job: _Job, tag: str, kinds: Sequence[str] = calibration.COLLECTIV
     t_large = float("inf")
     for _ in range(3):
         large.copy_(values)
+        if job.device.type == "cuda":  # the copy is queued on the stream the allreduce waits for
+            torch.cuda.synchronize(job.device)
         t0 = time.perf_counter()
         job.allreduce(large, f"hvd_ext.calibrate.{tag}.large")
         t_large = min(t_large, time.perf_counter() - t0)

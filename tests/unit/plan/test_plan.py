@@ -246,7 +246,9 @@ def test_the_link_probe_sums_gradient_like_values_afresh_every_try(dtype):
         def mean(self, values):
             return list(values)
 
+    rng = torch.get_rng_state()
     link = measure._flat_link(Job(), "probe", kinds=(), dtype=dtype)
+    assert torch.equal(torch.get_rng_state(), rng)  # a job calibrating mid-training keeps its random stream
     assert link["bandwidth"] > 0 and len(seen) == 3
     assert all(torch.equal(s, seen[0]) for s in seen) and seen[0].dtype == dtype
     nonzero = seen[0] != 0
