@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""What Horovod's fp16 compression costs on a CPU, alone and inside a training step.
+
+    python benchmarks/horovod_fp16_probe.py [--ranks 2] [--rounds 5] [--steps 10]
+
+One ``horovodrun --gloo`` job of ``--ranks`` ranks in an unshaped namespace. On a CPU Horovod sums
+float16 in scalar code, whose speed depends on the values (float16 subnormals take its slow path).
+Measured, on the main job's CNN (MNIST-1D, batch 64):
+
+* its gradient's entries that are float16 subnormals, and those that underflow to zero, once cast;
+* alone: Horovod's allreduce of the gradient's tensors (each its own, as its optimizer sends them;
+  ``Average``), float32 and float16, ``--steps`` tries in each of ``--rounds`` rounds, the median;
+* in training: the step of Horovod's ``DistributedOptimizer`` without compression, with
+  ``Compression.fp16``, and without any exchange, in turns (``--rounds`` rounds of ``--steps``), the
+  median of the rounds' means.
+
+The ranks' mean of each figure. Writes benchmarks/results/horovod_fp16_probe.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+FP16_MIN_NORMAL = 6.103515625e-05
+
+
+class _Keep:
+    """An optimizer that leaves the gradient as backward left it."""
+
+    def zero_grad(self) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+
+def gradient_of(model, step) -> list:
+    """The gradient tensors of one step of ``model`` (the step's batch, no update)."""
+    step((model, _Keep()))
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def allreduce_alone(grads, dtype, tries: int, name: str) -> list:
+    import horovod.torch as hvd
+
+    times = []
+    for t in range(tries):
+        xs = [g.to(dtype) for g in grads]
+        hvd.allreduce(xs[0].new_zeros(1).float(), name=f"{name}.sync.{t}")
+        t0 = time.perf_counter()
+        handles = [hvd.allreduce_async_(x, name=f"{name}.{i}", op=hvd.Average) for i, x in enumerate(xs)]
+        for h in handles:
+            hvd.synchronize(h)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def worker(args) -> None:
+    import horovod.torch as hvd
+    import torch
+
+    import common
+
+    hvd.init()
+    torch.set_num_threads(1)
+    step = common.main_cnn_step(64)
+    runs = {m: common.main_cnn_run(m, 128) for m in ("compute", "horovod", "horovod fp16")}
+    for run in runs.values():
+        for _ in range(3):
+            step(run)
+    grads = gradient_of(common.main_cnn_run("compute", 128)[0], step)
+    flat16 = torch.cat([g.flatten() for g in grads]).half()
+    subnormal = ((flat16 != 0) & (flat16.abs() < FP16_MIN_NORMAL)).float().mean().item()
+    zero = ((flat16 == 0) & (torch.cat([g.flatten() for g in grads]) != 0)).float().mean().item()
+    alone = {"float32": [], "float16": []}
+    for r in range(args.rounds):
+        for key, dtype in (("float32", torch.float32), ("float16", torch.float16)):
+            alone[key] += allreduce_alone(grads, dtype, args.steps, f"probe.{r}.{key}")
+    turns = common.time_in_turns(runs, step, args.rounds, args.steps,
+                                 lambda name: hvd.allreduce(torch.zeros(1), name=f"probe.{name}"))
+    figures = [subnormal, zero, *(statistics.median(alone[k]) for k in alone),
+               *(statistics.median(turns[m]) for m in runs)]
+    mean = hvd.allreduce(torch.tensor(figures, dtype=torch.float64), op=hvd.Average, name="probe.mean").tolist()
+    if hvd.rank() == 0:
+        names = ["subnormal", "underflow", "alone_float32_s", "alone_float16_s",
+                 *(f"step_{m.replace(' ', '_')}_s" for m in runs)]
+        Path(args.worker_out).write_text(json.dumps({"ranks": hvd.size(), **dict(zip(names, mean)),
+                                                     "params": sum(g.numel() for g in grads)}))
+
+
+def render(doc) -> str:
+    lines = ["# Horovod's fp16 compression on a CPU, alone and in a step", "",
+             f"`{doc['command']}`; load at start {doc['loadavg_start']}; unshaped, this machine's cores; "
+             "the ranks' mean (module doc).", "",
+             "| ranks | params | float16 subnormal | underflow to 0 | allreduce alone: fp32 ms | fp16 ms | fp16 - fp32 "
+             "| step: no exchange ms | Horovod fp32 ms | fp16 ms | fp16 - fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        a32, a16 = r["alone_float32_s"] * 1e3, r["alone_float16_s"] * 1e3
+        s0, s32, s16 = r["step_compute_s"] * 1e3, r["step_horovod_s"] * 1e3, r["step_horovod_fp16_s"] * 1e3
+        lines.append(f"| {r['ranks']} | {r['params']} | {r['subnormal']:.1%} | {r['underflow']:.1%} | {a32:.2f} | "
+                     f"{a16:.2f} | {a16 - a32:+.2f} | {s0:.2f} | {s32:.2f} | {s16:.2f} | {s16 - s32:+.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    import common
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    common.add_load_option(ap)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    common.refuse_if_loaded(args)
+    machine, load = common.machine_info(), common.loadavg()
+    res = common.run_worker(__file__, "horovod_fp16_probe_logs", f"np{args.ranks}",
+                            common.shaped_prefix(None) + common.hvd_launcher(args.ranks),
+                            ["--rounds", str(args.rounds), "--steps", str(args.steps)], f"np {args.ranks}")
+    if res is None:
+        raise SystemExit(1)
+    common.save_results("horovod_fp16_probe",
+                        common.results_doc("horovod_fp16_probe.py", argv, machine, load, [res]), render)
+
+
+if __name__ == "__main__":
+    main()
