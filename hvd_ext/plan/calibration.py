@@ -52,15 +52,18 @@ from ..spec import compression_from_spec
 
 SMALL, LARGE = 256, 4 * 1024 * 1024  # floats per allreduce probe
 BUSY_ROUNDS = 3  # rounds of tries of each collective inside a step (_measure_busy_latency)
+GRADIENT_SCALE = 1e-4  # of the values the probes time (gradient_like): about half below float16's smallest normal
 
 
 def gradient_like(numel: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``numel`` values drawn as a gradient's (a Laplace sample, small and centred, some of them float16
-    subnormals): what the codecs and sums are timed on. Zeros would not do: on a CPU, float16 arithmetic
-    in scalar code (Horovod's sum) takes a fast path on zeros and a slow one on subnormals. The draw
-    leaves the caller's random stream as it was (a job may calibrate in the middle of training)."""
+    """``numel`` values drawn as a gradient's: what the codecs and sums are timed on. A gradient is
+    small, much of it below float16's normal range (the reason for loss scaling: Micikevicius et al.,
+    "Mixed Precision Training", ICLR 2018); a Laplace sample of scale ``GRADIENT_SCALE`` puts about
+    half of its entries there. Zeros would not do: on a CPU, float16 arithmetic in scalar code
+    (Horovod's sum) takes a fast path on zeros and a slow one on subnormals. The draw leaves the
+    caller's random stream as it was (a job may calibrate in the middle of training)."""
     with torch.random.fork_rng(devices=[]):
-        return torch.distributions.Laplace(0.0, 1e-3).sample((numel,)).to(device=device, dtype=dtype)
+        return torch.distributions.Laplace(0.0, GRADIENT_SCALE).sample((numel,)).to(device=device, dtype=dtype)
 
 
 def time_codec(spec: str, numel: int, device, reps: int = 3) -> float:

@@ -254,7 +254,7 @@ def test_the_link_probe_sums_gradient_like_values_afresh_every_try(dtype):
     nonzero = seen[0] != 0
     assert nonzero.float().mean() > 0.99
     if dtype == torch.float16:  # below float16's smallest normal value (6.1e-5): its slow path
-        assert (nonzero & (seen[0].abs() < 6.1e-5)).float().mean() > 0.02
+        assert (nonzero & (seen[0].abs() < 6.1e-5)).float().mean() > 0.3
 
 
 def test_a_nodes_collectives_timed_inside_a_step_price_the_node_aware_routes_first():
