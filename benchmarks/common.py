@@ -320,6 +320,28 @@ def save_results(name: str, doc, render: Callable[[Dict], str]) -> None:
     print(text)
 
 
+def add_one_job_options(ap, ranks: int) -> None:
+    """``--ranks`` (default ``ranks``), the load option and the worker's hidden options of a
+    :func:`one_job_benchmark`."""
+    ap.add_argument("--ranks", type=int, default=ranks)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    add_load_option(ap)
+
+
+def one_job_benchmark(script: str, name: str, argv: Optional[List[str]], args, worker_args: List[str],
+                      render: Callable[[Dict], str]) -> None:
+    """A benchmark of one ``horovodrun --gloo`` job of ``args.ranks`` ranks in an unshaped namespace:
+    refuse a loaded machine, run ``script --worker`` (:func:`run_worker`), save its result as NAME.{json,md}."""
+    refuse_if_loaded(args)
+    machine, load = machine_info(), loadavg()
+    res = run_worker(script, f"{name}_logs", f"np{args.ranks}", shaped_prefix(None) + hvd_launcher(args.ranks),
+                     worker_args, f"np {args.ranks}")
+    if res is None:
+        raise SystemExit(1)
+    save_results(name, results_doc(Path(script).name, argv, machine, load, [res]), render)
+
+
 def torchrun_launcher(np_: int, port: int = 29511) -> List[str]:
     return [str(Path(PY).with_name("torchrun")), "--nnodes", "1", "--nproc_per_node", str(np_),
             "--master_addr", "127.0.0.1", "--master_port", str(port)]

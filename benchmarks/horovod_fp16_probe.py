@@ -114,24 +114,14 @@ def main(argv=None):
     import common
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, default=2)
+    common.add_one_job_options(ap, ranks=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    common.add_load_option(ap)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
-    common.refuse_if_loaded(args)
-    machine, load = common.machine_info(), common.loadavg()
-    res = common.run_worker(__file__, "horovod_fp16_probe_logs", f"np{args.ranks}",
-                            common.shaped_prefix(None) + common.hvd_launcher(args.ranks),
-                            ["--rounds", str(args.rounds), "--steps", str(args.steps)], f"np {args.ranks}")
-    if res is None:
-        raise SystemExit(1)
-    common.save_results("horovod_fp16_probe",
-                        common.results_doc("horovod_fp16_probe.py", argv, machine, load, [res]), render)
+    passed = ["--rounds", str(args.rounds), "--steps", str(args.steps)]
+    common.one_job_benchmark(__file__, "horovod_fp16_probe", argv, args, passed, render)
 
 
 if __name__ == "__main__":

@@ -75,24 +75,14 @@ def main(argv=None):
     import common
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, default=4)
+    common.add_one_job_options(ap, ranks=4)
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--tries", type=int, default=10)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    common.add_load_option(ap)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
-    common.refuse_if_loaded(args)
-    machine, load = common.machine_info(), common.loadavg()
-    res = common.run_worker(__file__, "inside_step_probe_logs", f"np{args.ranks}",
-                            common.shaped_prefix(None) + common.hvd_launcher(args.ranks),
-                            ["--runs", str(args.runs), "--tries", str(args.tries)], f"np {args.ranks}")
-    if res is None:
-        raise SystemExit(1)
-    common.save_results("inside_step_probe",
-                        common.results_doc("inside_step_probe.py", argv, machine, load, [res]), render)
+    passed = ["--runs", str(args.runs), "--tries", str(args.tries)]
+    common.one_job_benchmark(__file__, "inside_step_probe", argv, args, passed, render)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,8 @@ exchange where it is compressed), its short queue drop 8 ranks' alltoall.
    machine's drift hits them alike; measured: median ms/step (each rank's median over the rounds,
    the ranks' mean) and each round's (the ranks' mean: the row's spread), bytes sent per rank per
    step; the step without any exchange takes its turns too, against the calibrated compute time;
-   the sparse
-   reduce-scatter is timed after its first rebalance of the owner ranges (the steady state the
-   planner predicts: before it, the ranges are even and the entries are not);
+   the sparse reduce-scatter is timed after its first rebalance of the owner ranges (the steady
+   state the planner predicts: before it, the ranges are even and the entries are not);
 3. ``hvd_ext.plan.plan`` predicts every method from that calibration, on the route the job took;
    reported: predicted / measured step time per method, its median and spread over the methods,
    and the wire bytes ratio (the wire bytes hvd_ext's exchange counted; Horovod's: the ring's);

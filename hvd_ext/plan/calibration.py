@@ -152,12 +152,12 @@ def _tries(run: Callable[[], Any], reps: int) -> List[float]:
 
 def _flat_link(job: _Job, tag: str, kinds: Sequence[str] = calibration.COLLECTIVES,
                dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
-    """A small float32 allreduce and a large one of ``dtype`` over all ranks, the fastest of a few tries
-    each, fitted to ``lat + wire / bandwidth``; and the fixed cost of each collective of ``kinds`` as a bucket's later
-    collectives pay it, the median of its tries (``lat_by_kind``, left out without kinds): a collective
-    waits for the next cycle of Horovod's background thread, which the fastest try happened not to.
-    The large allreduce sums :func:`gradient_like` values, as training does (an allreduce is in place:
-    a fresh copy each try)."""
+    """A small float32 allreduce and a large one of ``dtype`` over all ranks, the fastest of a few
+    tries each, fitted to ``lat + wire / bandwidth``; and the fixed cost of each collective of
+    ``kinds`` as a bucket's later collectives pay it, the median of its tries (``lat_by_kind``, left
+    out without kinds): a collective waits for the next cycle of Horovod's background thread, which
+    the fastest try happened not to. The large allreduce sums :func:`gradient_like` values, as
+    training does (an allreduce is in place: a fresh copy each try)."""
     values = gradient_like(LARGE, job.device, dtype)
     large = values.clone()
     run = job.small_collectives(tag)
