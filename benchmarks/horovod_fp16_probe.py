@@ -28,9 +28,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-FP16_MIN_NORMAL = 6.103515625e-05
-
-
 class _Keep:
     """An optimizer that leaves the gradient as backward left it."""
 
@@ -76,9 +73,10 @@ def worker(args) -> None:
         for _ in range(3):
             step(run)
     grads = gradient_of(common.main_cnn_run("compute", 128)[0], step)
-    flat16 = torch.cat([g.flatten() for g in grads]).half()
-    subnormal = ((flat16 != 0) & (flat16.abs() < FP16_MIN_NORMAL)).float().mean().item()
-    zero = ((flat16 == 0) & (torch.cat([g.flatten() for g in grads]) != 0)).float().mean().item()
+    flat = torch.cat([g.flatten() for g in grads])
+    flat16 = flat.half()
+    subnormal = ((flat16 != 0) & (flat16.abs() < torch.finfo(torch.float16).tiny)).float().mean().item()
+    zero = ((flat16 == 0) & (flat != 0)).float().mean().item()
     alone = {"float32": [], "float16": []}
     for r in range(args.rounds):
         for key, dtype in (("float32", torch.float32), ("float16", torch.float16)):
