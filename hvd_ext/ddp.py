@@ -121,11 +121,12 @@ class HookState:
     def _agree(self, bucket) -> None:
         mine = {"spec": self.spec, "index": bucket.index(),
                 "tensors": [(tuple(g.shape), str(g.dtype)) for g in bucket.gradients()],
-                "calibration": calibration.digest(calibration.from_env())}  # the routes follow it
+                "calibration": calibration.env_digest()}  # the routes follow it
         msg = fingerprint_mismatch(self.exchange.allgather_object(mine, "hvd_ext.ddp.config"), "hvd_ext.ddp hook",
                                    "checked at the first bucket: register the same spec on the same model")
         if msg is not None:
             raise ValueError(msg)
+        calibration.from_env()  # a file no rank can use: every rank raises its error here, together
         self._agreed = True
 
     def pipeline(self, bucket) -> Tuple[GradientPipeline, List[torch.nn.Parameter], List[torch.Tensor]]:

@@ -50,7 +50,7 @@ from .pipeline import GradientPipeline
 from .sparse_grad import SparseGradients
 from .stats import CommStats
 from .variance_freeze import VarianceFreeze
-from .world import World, config_fingerprint, fingerprint_mismatch
+from .world import World, agree_on_calibration, config_fingerprint, fingerprint_mismatch
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # PyTorch DDP's default bucket size
 
@@ -201,6 +201,8 @@ class _DistributedMixin:
         self._pipeline = None
         self.overlap = False
         if included:
+            if not self._world.elastic:
+                agree_on_calibration(self._exchange)  # the routes are priced with it next
             self._rebuild_pipeline()
         else:
             self._pipeline = _LocalOnly()

@@ -94,7 +94,8 @@ def config_fingerprint(named_params, compressor: Compressor, op_name: str, backw
         "buckets": [list(b) for b in buckets],
         "routes": list(routes or []),
         # the calibration file the routes (and auto) are priced with: the same content on every rank
-        "calibration": calibration.digest(calibration.from_env()),
+        # (or, where a rank cannot use it, what is wrong: every rank then raises, none waits)
+        "calibration": calibration.env_digest(),
         # auto: the candidates the optimizer leaves it (a different optimizer on a rank would make it choose otherwise)
         "eligible": [bool(compressor.allowed(i)) for i in range(len(compressor.candidates))]
         if callable(getattr(compressor, "allowed", None)) else None,
@@ -104,6 +105,19 @@ def config_fingerprint(named_params, compressor: Compressor, op_name: str, backw
 def _short(v, limit: int = 160) -> str:
     r = repr(v)
     return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def agree_on_calibration(exchange, what: str = "hvd_ext.DistributedOptimizer") -> None:
+    """Before the routes are priced with the calibration file (``HVD_EXT_CALIBRATION``, which pricing may
+    follow with collectives, e.g. the node links' probe where the file has none): one allgather of each
+    rank's :func:`~hvd_ext.exchange.calibration.env_digest`. Ranks that read different files, or a rank
+    that cannot use its file, raise on every rank together rather than one rank alone."""
+    got = exchange.allgather_object({"calibration": calibration.env_digest()}, "hvd_ext.calibration")
+    msg = fingerprint_mismatch(got, what, "checked at construction, before the routes are priced; every rank "
+                                          "must read the same file, or a copy of it")
+    if msg is not None:
+        raise ValueError(msg)
+    calibration.from_env()  # a file no rank can use: every rank raises its error here, together
 
 
 def fingerprint_mismatch(fingerprints: List[Dict[str, Any]], what: str = "hvd_ext.DistributedOptimizer",

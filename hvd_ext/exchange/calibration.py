@@ -46,8 +46,16 @@ VERSION = 1
 _CACHE: Dict[str, Dict[str, Any]] = {}
 
 
-def _bad(path: str, what: str) -> ValueError:
-    return ValueError(f"calibration file {path!r}: {what}; write one with `python -m hvd_ext.plan --measure`")
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used: ``path`` and ``what`` is wrong with it."""
+
+    def __init__(self, path: str, what: str):
+        super().__init__(f"calibration file {path!r}: {what}; write one with `python -m hvd_ext.plan --measure`")
+        self.path, self.what = path, what
+
+
+def _bad(path: str, what: str) -> CalibrationError:
+    return CalibrationError(path, what)
 
 
 def load(path: str) -> Dict[str, Any]:
@@ -106,6 +114,17 @@ def digest(cal: Optional[Dict[str, Any]]) -> Optional[str]:
     if cal is None:
         return None
     return hashlib.sha256(json.dumps(cal, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def env_digest() -> Optional[str]:
+    """:func:`digest` of :func:`from_env`'s calibration, or, where this rank cannot use the file, what is
+    wrong with it, as text. The ranks compare this in their configuration check, so a rank that cannot
+    read the file fails together with the others instead of raising alone while they wait in a
+    collective. Raises nothing."""
+    try:
+        return digest(from_env())
+    except CalibrationError as e:
+        return f"unusable {e.path!r}: {e.what}"
 
 
 def node_model(cal: Optional[Dict[str, Any]]) -> Optional[NodeModel]:

@@ -22,8 +22,11 @@ def _worker(rank, size, mode):
     import hvd_ext.ddp as hddp
 
     res = {}
-    if mode == "mismatch":
-        spec = "qsgd:bits=8" if rank == 0 else "qsgd:bits=4"
+    if mode in ("mismatch", "calibration"):
+        spec = "qsgd:bits=8" if rank == 0 or mode == "calibration" else "qsgd:bits=4"
+        if mode == "calibration" and rank == 1:  # a file only rank 1 is told of, and cannot read
+            import os
+            os.environ["HVD_EXT_CALIBRATION"] = "/nonexistent/hvd_ext_calibration.json"
         model = DDP(small_model())
         hddp.register(model, spec)
         x, y = small_batch(rank, 0)
@@ -265,6 +268,14 @@ def test_ddp_hook_configured_differently_fails_on_every_rank():
     got = _run(2, "mismatch")
     for r in range(2):
         assert got[r]["error"] and "configured differently" in got[r]["error"] and "spec" in got[r]["error"]
+
+
+@pytest.mark.timeout(300)
+def test_ddp_hook_a_rank_that_cannot_read_the_calibration_fails_with_every_rank():
+    got = _run(2, "calibration")
+    for r in range(2):
+        err = got[r]["error"]
+        assert err and "calibration" in err and "cannot be read" in err and "/nonexistent/" in err, err
 
 
 @pytest.mark.timeout(300)

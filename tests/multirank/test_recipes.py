@@ -39,7 +39,7 @@ def test_config_mismatch_fails_fast_with_both_values():
     res = launch("recipes_config.py", np=2, launcher="gloo", timeout=180)
     assert_checks(res)  # every case: an error naming what differs and both values, within 30 s
     for r in res:
-        assert len(r["checks"]) == 2 * 9 + 2, sorted(r["checks"])
+        assert len(r["checks"]) == 2 * 10 + 2 + 2, sorted(r["checks"])
 
 
 # ---- 4. faults: a rank killed mid-step ends the job non-zero, quickly ---------------------------

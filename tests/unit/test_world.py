@@ -47,7 +47,7 @@ def test_elastic_defers_collectives_and_rebuilds_in_process(monkeypatch):
         opt.step()
 
     model, opt = build(elastic=False)
-    assert calls == ["hvd_ext.config"]            # not elastic: checked at construction
+    assert calls == ["hvd_ext.calibration", "hvd_ext.config"]  # not elastic: checked at construction
     calls.clear()
     model, opt = build(elastic=True)
     assert calls == []                            # elastic: nothing at construction

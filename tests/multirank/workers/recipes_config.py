@@ -11,6 +11,7 @@ import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 
 import hvd_ext  # noqa: E402
+from hvd_ext.exchange import calibration  # noqa: E402
 from common import report, init_horovod  # noqa: E402
 
 RANK = None  # set by main() after hvd.init()
@@ -36,6 +37,24 @@ def opt_with(spec, width=8, **kw):
                                         compression=spec, **kw)
 
 
+def with_calibration(paths, spec="topk:ratio=0.1"):
+    """Build with HVD_EXT_CALIBRATION set to ``paths[RANK]`` (None: unset) on this rank."""
+    def build():
+        old = os.environ.pop(calibration.ENV, None)
+        if paths[RANK] is not None:
+            os.environ[calibration.ENV] = paths[RANK]
+        try:
+            opt_with(spec)
+        finally:
+            os.environ.pop(calibration.ENV, None)
+            if old is not None:
+                os.environ[calibration.ENV] = old
+    return build
+
+
+MISSING = "/nonexistent/hvd_ext_calibration.json"
+
+
 def cases():
     return {
         "none_vs_fp16": lambda: opt_with("none" if RANK == 0 else "fp16"),
@@ -48,6 +67,9 @@ def cases():
         "passes": lambda: opt_with("none", backward_passes_per_step=1 if RANK == 0 else 2),
         "sync": lambda: hvd_ext.sync_from_spec("local:period=4" if RANK == 0 else "local:period=8")(
             opt_with("none"), model_fn()),
+        # one rank cannot read the file the others can do without: every rank fails, none waits
+        "calibration_one_rank": with_calibration([None, MISSING]),
+        "calibration_every_rank": with_calibration([MISSING, MISSING]),
         "same": lambda: opt_with("topk:ratio=0.1"),
     }
 
@@ -61,7 +83,8 @@ WANT = {"none_vs_fp16": ("compression", "'none", "'fp16"),
         "bucket_bytes": ("bucket_bytes", "1048576", "64"),
         "op": ("op", "'average'", "'sum'"),
         "passes": ("backward_passes_per_step", "has 1", "has 2"),
-        "sync": ("sync", "period=4", "period=8")}
+        "sync": ("sync", "period=4", "period=8"),
+        "calibration_one_rank": ("calibration", "None", "cannot be read", MISSING)}
 
 
 def collectives_per_step(res):
@@ -87,6 +110,11 @@ def check(c, res):
         c.expect(f"{case}: a ValueError saying 'configured differently', naming {words}",
                  err is not None and "configured differently" in err and all(w in err for w in words), err)
         c.expect(f"{case}: raised within 30 s", res[case]["s"] < 30, res[case]["s"])
+    err = res["calibration_every_rank"]["error"]
+    c.expect("calibration_every_rank: every rank raises the file's own error, naming the file",
+             err is not None and "cannot be read" in err and MISSING in err, err)
+    c.expect("calibration_every_rank: raised within 30 s", res["calibration_every_rank"]["s"] < 30,
+             res["calibration_every_rank"]["s"])
     c.expect("same: ranks configured alike construct without error", res["same"]["error"] is None,
              res["same"]["error"])
     # once at construction, nothing per step: the first step adds one agreement collective only
