@@ -42,7 +42,10 @@ trial jolts momentum SGD, docs/auto.md).
 Until the first decision (``warmup`` exchanges) every bucket is sent dense. A decision is re-taken
 every ``every`` exchanges, ``check`` exchanges after a codec that has not run before is chosen (to
 calibrate the model with its measured cost), and when the measured exchange time leaves [0.5x, 2x]
-of the prediction. The default candidates stop at 8 bits and 3%: coarser codecs only when listed.
+of the prediction. A candidate is timed and sized at the step it would run from: one still in its
+own dense warm-up (``powersgd`` before its ``warmup=`` exchanges) is priced dense, as it would send,
+until a decision past that warm-up. The default candidates stop at 8 bits and 3%: coarser codecs
+only when listed.
 Measurements behind these defaults: ``docs/auto.md`` and ``benchmarks/auto_trust.py``.
 
 Spec: ``auto:every=1000,warmup=5,accuracy=strict,bound=0.5,candidates=none,fp16,topk:ratio=0.01``

@@ -271,6 +271,21 @@ def test_codec_trial_codes_a_bucket_as_the_pipeline_does():
     assert got["enc"] > 0 and got["dec"] > 0
 
 
+def test_a_candidate_in_its_own_warm_up_is_priced_as_it_would_send_now():
+    """A candidate is timed and sized at the pipeline's step: PowerSGD before its ``warmup=`` exchanges
+    sends the bucket dense, so it is sized dense; from its warm-up on, low-rank."""
+    runs = run_pipeline("auto:warmup=2,accuracy=relaxed,candidates=none,powersgd:rank=1,warmup=6", _grads(3, 2), 2)
+    tuner, pipe = runs[0].pipeline.auto, runs[0].pipeline
+    b = pipe.buckets[0]
+    grads = [torch.randn_like(p) for p in b.params]
+    powersgd = tuner.auto.candidates[1]
+    dense = 4.0 * sum(g.numel() for g in grads)
+    assert pipe.step < 6 and tuner._time_codec(powersgd, b, grads)["bytes"] == dense
+    pipe.step = 6
+    matrix = 4.0 * 40 * 50  # w1, the bucket's one matrix: rank 1 sends P and Q (40 + 50 values)
+    assert tuner._time_codec(powersgd, b, grads)["bytes"] == dense - matrix + 4.0 * (40 + 50)
+
+
 def test_contenders_the_model_cannot_separate_are_measured(monkeypatch):
     """The model predicts top-k fastest and fp16 within 2x of it; their real exchanges are the other
     way round. auto runs each contender `trial` exchanges (the predicted fastest first), compares the
