@@ -43,7 +43,7 @@ import torch
 
 from .spec import compression_from_spec, make_feedback
 from .compression.base import Compressor
-from .exchange import Exchange
+from .exchange import Exchange, calibration
 from .ops.device import nonfinite
 from .overlap import check_overlap, resolve_overlap
 from .pipeline import GradientPipeline
@@ -258,6 +258,7 @@ class _DistributedMixin:
         msg = fingerprint_mismatch(self._exchange.allgather_object(fp, "hvd_ext.config"))
         if msg is not None:
             raise ValueError(msg)
+        calibration.from_env()  # a file no rank can use (elastic: not compared before): every rank raises
 
     def _before_exchange(self):
         """Before this rank's first collective of a step (first hook, or ``synchronize()``)."""

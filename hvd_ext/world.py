@@ -2,8 +2,9 @@
 
 Every rank must make the same collectives (else jobs hang), so before the first gradient exchange
 in a world the ranks (1) check that they are configured alike -- one allgather of a small
-fingerprint, :func:`fingerprint_mismatch` names the first difference -- and (2) agree on state
-(a checkpoint loaded on rank 0 only: every rank takes the most advanced rank's).
+fingerprint, :func:`fingerprint_mismatch` names the first difference; a fixed-size job compares
+the calibration file apart, before pricing its routes with it (:func:`agree_on_calibration`) --
+and (2) agree on state (a checkpoint loaded on rank 0 only: every rank takes the most advanced rank's).
 
 :class:`World` is that state machine, per world::
 
@@ -92,10 +93,10 @@ def config_fingerprint(named_params, compressor: Compressor, op_name: str, backw
         "bucket_bytes": int(bucket_bytes),
         "parameters": [(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in named_params],
         "buckets": [list(b) for b in buckets],
-        "routes": list(routes or []),
         # the calibration file the routes (and auto) are priced with: the same content on every rank
-        # (or, where a rank cannot use it, what is wrong: every rank then raises, none waits)
+        # (named before the routes, which differ where it does)
         "calibration": calibration.env_digest(),
+        "routes": list(routes or []),
         # auto: the candidates the optimizer leaves it (a different optimizer on a rank would make it choose otherwise)
         "eligible": [bool(compressor.allowed(i)) for i in range(len(compressor.candidates))]
         if callable(getattr(compressor, "allowed", None)) else None,

@@ -26,8 +26,9 @@ rank count is the job's), and the node-aware route choice takes the intra / inte
 instead of measuring them. A fixed codec's route choice (:func:`hvd_ext.exchange.routes.route_options`)
 prices with the same links and collective costs, and each codec call as the file timed the codec
 (:class:`CodecTiming`: speed, fixed cost per call, compiled speed). Codec times ``auto`` still
-measures on the job's own buckets. The ranks compare the file's content (:func:`digest`) before
-their first exchange: every rank must read the same file, or a copy of it.
+measures on the job's own buckets. The ranks compare the file's content (:func:`env_digest`) before
+they price with it (under Horovod elastic at the first exchange): every rank must read the same file,
+or a copy of it, and a rank that cannot use its file fails with the others.
 """
 from __future__ import annotations
 
@@ -43,69 +44,107 @@ from .cost import LinkModel, NodeModel
 ENV = "HVD_EXT_CALIBRATION"
 COLLECTIVES = ("allreduce", "allgather", "alltoall")
 VERSION = 1
-_CACHE: Dict[str, Dict[str, Any]] = {}
+_CACHE: Dict[str, Any] = {}  # path -> its calibration, or the CalibrationError it raised
 
 
 class CalibrationError(ValueError):
-    """A calibration file that cannot be used: ``path`` and ``what`` is wrong with it."""
+    """A calibration file that cannot be used: its ``path``, and ``what`` is wrong with it."""
 
     def __init__(self, path: str, what: str):
         super().__init__(f"calibration file {path!r}: {what}; write one with `python -m hvd_ext.plan --measure`")
         self.path, self.what = path, what
 
 
-def _bad(path: str, what: str) -> CalibrationError:
-    return CalibrationError(path, what)
+def _number(v: Any, low: float = 0.0, strict: bool = False) -> bool:
+    """``v`` is a finite number (not a bool) >= ``low`` (> ``low`` if ``strict``)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return False
+    return v > low if strict else v >= low
 
 
-def load(path: str) -> Dict[str, Any]:
-    """The calibration at ``path``, checked (a clear ValueError names what is wrong)."""
+def _object(path: str, value: Any, where: str) -> Dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CalibrationError(path, f"{where} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _read(path: str) -> Any:
     try:
-        with open(path) as f:
-            cal = json.load(f)
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
     except OSError as e:
-        raise _bad(path, f"cannot be read ({e.strerror})") from None
+        raise CalibrationError(path, f"cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise CalibrationError(path, "is not UTF-8 text") from None
     except json.JSONDecodeError as e:
-        raise _bad(path, f"is not JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(cal, dict) or cal.get("version") != VERSION:
-        raise _bad(path, f"version must be {VERSION}")
-    links = cal.get("links", {})
+        raise CalibrationError(path, f"is not JSON ({e.msg} at line {e.lineno})") from None
+
+
+def _check_links(path: str, links: Dict[str, Any]) -> None:
     for name, need in (("flat", ("lat", "bandwidth")), ("intra", ("alpha", "bandwidth")),
                        ("inter", ("alpha", "bandwidth")), ("horovod", ("lat", "bandwidth")),
                        ("horovod_fp16", ("lat", "bandwidth"))):
-        if name in links:
-            link = links[name]
-            if not isinstance(link, dict) or any(not isinstance(link.get(k), (int, float)) or link[k] < 0
-                                                 for k in need) or link["bandwidth"] <= 0:
-                raise _bad(path, f"links.{name} needs {' and '.join(need)} (numbers, bandwidth > 0)")
-    for name in ("flat", "horovod", "intra"):
+        if name not in links:
+            continue
+        link = _object(path, links[name], f"links.{name}")
+        if not all(_number(link.get(k)) for k in need) or not _number(link["bandwidth"], strict=True):
+            raise CalibrationError(path, f"links.{name} needs {' and '.join(need)} (numbers, bandwidth > 0)")
         for key in ("lat_by_kind", "busy_lat_by_kind"):
-            kinds = links.get(name, {}).get(key, {})
-            if not isinstance(kinds, dict) or any(k not in COLLECTIVES or not isinstance(v, (int, float)) or v < 0
-                                                  for k, v in kinds.items()):
-                raise _bad(path, f"links.{name}.{key} maps {', '.join(COLLECTIVES)} to seconds >= 0")
-    for spec, v in cal.get("codec", {}).items():
-        if not isinstance(v, (int, float)) or v <= 0:
-            raise _bad(path, f"codec speed of {spec!r} must be a number > 0, got {v!r}")
-    for spec, v in cal.get("codec_compiled", {}).items():
-        if not isinstance(v, (int, float)) or v <= 0:
-            raise _bad(path, f"codec_compiled speed of {spec!r} must be a number > 0, got {v!r}")
-    if "codec_compiled" in cal and (not isinstance(cal.get("compile_min"), int) or cal["compile_min"] < 1):
-        raise _bad(path, "codec_compiled needs compile_min, the elements from which a call runs compiled (an int >= 1)")
-    for spec, v in cal.get("codec_fixed_s", {}).items():
-        if not isinstance(v, (int, float)) or v < 0:
-            raise _bad(path, f"codec_fixed_s of {spec!r} must be a number >= 0, got {v!r}")
+            kinds = link.get(key, {})
+            if not isinstance(kinds, dict) or any(k not in COLLECTIVES or not _number(v) for k, v in kinds.items()):
+                raise CalibrationError(path, f"links.{name}.{key} maps {', '.join(COLLECTIVES)} to seconds >= 0")
+
+
+def load(path: str) -> Dict[str, Any]:
+    """The calibration at ``path``, checked: a :class:`CalibrationError` names what is wrong."""
+    cal = _read(path)
+    if not isinstance(cal, dict) or cal.get("version") != VERSION:
+        raise CalibrationError(path, f"version must be {VERSION}")
+    for key in ("ranks", "nodes", "local"):
+        if key in cal and (isinstance(cal[key], bool) or not isinstance(cal[key], int) or cal[key] < 1):
+            raise CalibrationError(path, f"{key} must be an int >= 1, got {cal[key]!r}")
+    if "compute_s" in cal and not _number(cal["compute_s"]):
+        raise CalibrationError(path, f"compute_s must be seconds >= 0, got {cal['compute_s']!r}")
+    if not isinstance(cal.get("device", "cpu"), str):
+        raise CalibrationError(path, f"device must be a string, got {cal['device']!r}")
+    _check_links(path, _object(path, cal.get("links", {}), "links"))
+    for key, what, strict in (("codec", "codec speed", True), ("codec_compiled", "codec_compiled speed", True),
+                              ("codec_fixed_s", "codec_fixed_s", False)):
+        for spec, v in _object(path, cal.get(key, {}), key).items():
+            if not _number(v, strict=strict):
+                raise CalibrationError(path, f"{what} of {spec!r} must be a number {'>' if strict else '>='} 0, "
+                                             f"got {v!r}")
+    if "codec_compiled" in cal and (isinstance(cal.get("compile_min"), bool) or
+                                    not isinstance(cal.get("compile_min"), int) or cal["compile_min"] < 1):
+        raise CalibrationError(path, "codec_compiled needs compile_min, the elements from which a call runs "
+                                     "compiled (an int >= 1)")
     return cal
 
 
 def from_env() -> Optional[Dict[str, Any]]:
-    """The calibration ``HVD_EXT_CALIBRATION`` names (read once per path), or None."""
+    """The calibration ``HVD_EXT_CALIBRATION`` names (read once per path; a file that cannot be used
+    raises its :class:`CalibrationError` at every call), or None."""
     path = os.environ.get(ENV, "").strip()
     if not path:
         return None
     if path not in _CACHE:
-        _CACHE[path] = load(path)
-    return _CACHE[path]
+        try:
+            _CACHE[path] = load(path)
+        except CalibrationError as e:
+            _CACHE[path] = e
+    got = _CACHE[path]
+    if isinstance(got, CalibrationError):
+        raise got
+    return got
+
+
+def usable_from_env() -> Optional[Dict[str, Any]]:
+    """:func:`from_env`, or None where this rank cannot use the file: for pricing before the ranks can
+    compare their files (Horovod elastic prices at construction, compares at the first exchange)."""
+    try:
+        return from_env()
+    except CalibrationError:
+        return None
 
 
 def digest(cal: Optional[Dict[str, Any]]) -> Optional[str]:
@@ -117,10 +156,9 @@ def digest(cal: Optional[Dict[str, Any]]) -> Optional[str]:
 
 
 def env_digest() -> Optional[str]:
-    """:func:`digest` of :func:`from_env`'s calibration, or, where this rank cannot use the file, what is
-    wrong with it, as text. The ranks compare this in their configuration check, so a rank that cannot
-    read the file fails together with the others instead of raising alone while they wait in a
-    collective. Raises nothing."""
+    """:func:`digest` of :func:`from_env`'s calibration, or what is wrong with the file, as text; never
+    raises. The ranks compare it before pricing with the file, so a rank that cannot use it fails
+    together with the others rather than alone."""
     try:
         return digest(from_env())
     except CalibrationError as e:

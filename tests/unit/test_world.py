@@ -86,6 +86,41 @@ def test_elastic_defers_collectives_and_rebuilds_in_process(monkeypatch):
     assert len(calls) == 2 and sync.syncs == 1
 
 
+@pytest.mark.parametrize("elastic", [False, True])
+def test_a_calibration_file_this_rank_cannot_read_raises_where_the_ranks_compare_files(monkeypatch, tmp_path,
+                                                                                      elastic):
+    """A fixed-size job compares the files at construction, before pricing: it raises there. Under
+    elastic nothing runs at construction: the routes are priced without the file, and the first
+    exchange, where the ranks compare their files, raises the file's error."""
+    import horovod.torch as hvd
+    import torch
+
+    import hvd_ext
+    from hvd_ext.exchange import calibration
+
+    hvd.init()
+    monkeypatch.setattr(calibration, "_CACHE", {})
+    monkeypatch.setenv(calibration.ENV, str(tmp_path / "missing.json"))
+    if elastic:
+        monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    else:
+        monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
+    model = torch.nn.Linear(8, 4)
+
+    def build():
+        return hvd_ext.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters(), compression="topk:ratio=0.25")
+
+    if not elastic:
+        with pytest.raises(calibration.CalibrationError, match="cannot be read"):
+            build()
+        return
+    opt = build()
+    model(torch.randn(16, 8)).pow(2).mean().backward()
+    with pytest.raises(calibration.CalibrationError, match="cannot be read"):
+        opt.step()
+
+
 
 
 

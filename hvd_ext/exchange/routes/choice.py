@@ -118,7 +118,7 @@ def route_options(comp: Compressor, mode: str, shapes: Union[int, Sequence[int],
     links = None
     if exchange is not None and node_aware_reason(comp, exchange) is None:
         links = node_links(exchange, device, model, stacklevel=5)
-    cal = calibration.from_env()
+    cal = calibration.usable_from_env()  # under elastic before the ranks compared their files
     # the nodes only where their links price the routes (a DDP hook's topology is a collective the first time)
     topo = exchange.topology() if exchange is not None and (links is not None or cal is not None) else None
     net = route_network(size, link, links, topo, cal)

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hvd_ext.exchange import calibration
 from hvd_ext.exchange.cost import LinkModel
@@ -115,7 +117,10 @@ def test_bad_input_names_what_is_accepted(kwargs, needle):
 
 def write(tmp_path, obj, name="cal.json"):
     path = tmp_path / name
-    path.write_text(json.dumps(obj) if not isinstance(obj, str) else obj)
+    if isinstance(obj, bytes):
+        path.write_bytes(obj)
+    else:
+        path.write_text(json.dumps(obj) if not isinstance(obj, str) else obj)
     return str(path)
 
 
@@ -326,12 +331,51 @@ def test_horovods_own_allreduce_prices_only_horovods_rows():
      "lat_by_kind maps allreduce, allgather, alltoall"),
     ({"version": 1, "links": {"flat": {"lat": 1e-4, "bandwidth": 1e8, "busy_lat_by_kind": {"allreduce": -1}}}},
      "busy_lat_by_kind maps allreduce, allgather, alltoall"),
+    ({"version": 1, "links": []}, "links must be an object, got list"),
+    ({"version": 1, "links": None}, "links must be an object, got NoneType"),
+    ({"version": 1, "codec": []}, "codec must be an object"),
+    ({"version": 1, "links": {"flat": {"lat": 1e-4, "bandwidth": float("nan")}}}, "links.flat needs lat and bandwidth"),
+    ({"version": 1, "ranks": "2"}, "ranks must be an int >= 1"),
+    ({"version": 1, "compute_s": -1}, "compute_s must be seconds >= 0"),
+    (b"\xff\xfe{}", "is not UTF-8"),
 ])
 def test_bad_calibration_file_says_what_is_wrong(tmp_path, content, needle):
-    with pytest.raises(ValueError, match=needle):
+    with pytest.raises(calibration.CalibrationError, match=needle):
         calibration.load(write(tmp_path, content))
-    with pytest.raises(ValueError, match="cannot be read"):
+    with pytest.raises(calibration.CalibrationError, match="cannot be read"):
         calibration.load(str(tmp_path / "missing.json"))
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                    max_leaves=8)
+KEYS = ["ranks", "nodes", "local", "device", "compute_s", "links", "codec", "codec_fixed_s", "codec_compiled",
+        "compile_min", "links.flat", "links.intra", "links.inter", "links.horovod", "links.horovod_fp16",
+        "links.flat.lat_by_kind", "links.flat.busy_lat_by_kind", "links.flat.bandwidth"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3), values=st.lists(JSON, min_size=3, max_size=3))
+def test_any_calibration_file_loads_or_says_what_is_wrong(tmp_path, monkeypatch, where, values):
+    """Whatever a file holds, reading it gives a calibration or a CalibrationError, never another
+    exception: the ranks compare what each read (env_digest) before any of them may raise."""
+    cal = {"version": 1, "links": {"flat": {"lat": 1e-4, "bandwidth": 1e8}}}
+    for key, value in zip(where, values):
+        *parents, last = key.split(".")
+        node = cal
+        for k in parents:
+            node = node.setdefault(k, {}) if isinstance(node.get(k, {}), dict) else {}
+        node[last] = value
+    path = tmp_path / "fuzz.json"
+    path.write_text(json.dumps(cal))
+    try:
+        calibration.load(str(path))
+    except calibration.CalibrationError:
+        pass
+    monkeypatch.setenv(calibration.ENV, str(path))
+    monkeypatch.setattr(calibration, "_CACHE", {})
+    digest = calibration.env_digest()
+    assert isinstance(digest, str) and len(digest) > 0
 
 
 def test_command_line_writes_table_json_and_plot(tmp_path):
