@@ -12,7 +12,11 @@ Measured, on the main job's CNN (MNIST-1D, batch 64):
   ``Average``), float32 and float16, ``--steps`` tries in each of ``--rounds`` rounds, the median;
 * in training: the step of Horovod's ``DistributedOptimizer`` without compression, with
   ``Compression.fp16``, and without any exchange, in turns (``--rounds`` rounds of ``--steps``), the
-  median of the rounds' means.
+  median of the rounds' means;
+* what the calibration's float16 link probe sees against the step's: the float16 allreduce of one
+  tensor (as Horovod's fusion sends the step's gradient), per element, of the gradient at its own
+  size and repeated to the probe's size (``hvd_ext.plan.calibration.LARGE``), and of the probe's
+  values (``gradient_like``) at both sizes.
 
 The ranks' mean of each figure. Writes benchmarks/results/horovod_fp16_probe.{json,md}.
 """
@@ -59,6 +63,23 @@ def allreduce_alone(grads, dtype, tries: int, name: str) -> list:
     return times
 
 
+def fused_per_element(flat, args) -> dict:
+    """Seconds per element of one float16 allreduce of the gradient ``flat`` and of the calibration's
+    values, each at the gradient's size and at the calibration's large probe's (the median of
+    ``--rounds`` x ``--steps`` tries)."""
+    import torch
+
+    from hvd_ext.plan.calibration import LARGE, gradient_like
+
+    out = {}
+    for n, size in ((flat.numel(), "own"), (LARGE, "probe")):
+        for values in ("gradient", "gradient_like"):
+            x = flat.repeat(-(-n // flat.numel()))[:n] if values == "gradient" else gradient_like(n, "cpu")
+            tries = allreduce_alone([x], torch.float16, args.rounds * args.steps, f"probe.{values}.{size}")
+            out[f"fp16_{values}_{size}_s_per_element"] = statistics.median(tries) / n
+    return out
+
+
 def worker(args) -> None:
     import horovod.torch as hvd
     import torch
@@ -81,14 +102,15 @@ def worker(args) -> None:
     for r in range(args.rounds):
         for key, dtype in (("float32", torch.float32), ("float16", torch.float16)):
             alone[key] += allreduce_alone(grads, dtype, args.steps, f"probe.{r}.{key}")
+    per_element = fused_per_element(flat, args)
     turns = common.time_in_turns(runs, step, args.rounds, args.steps,
                                  lambda name: hvd.allreduce(torch.zeros(1), name=f"probe.{name}"))
     figures = [subnormal, zero, *(statistics.median(alone[k]) for k in alone),
-               *(statistics.median(turns[m]) for m in runs)]
+               *(statistics.median(turns[m]) for m in runs), *per_element.values()]
     mean = hvd.allreduce(torch.tensor(figures, dtype=torch.float64), op=hvd.Average, name="probe.mean").tolist()
     if hvd.rank() == 0:
         names = ["subnormal", "underflow", "alone_float32_s", "alone_float16_s",
-                 *(f"step_{m.replace(' ', '_')}_s" for m in runs)]
+                 *(f"step_{m.replace(' ', '_')}_s" for m in runs), *per_element]
         Path(args.worker_out).write_text(json.dumps({"ranks": hvd.size(), **dict(zip(names, mean)),
                                                      "params": sum(g.numel() for g in grads)}))
 
@@ -105,6 +127,16 @@ def render(doc) -> str:
         s0, s32, s16 = r["step_compute_s"] * 1e3, r["step_horovod_s"] * 1e3, r["step_horovod_fp16_s"] * 1e3
         lines.append(f"| {r['ranks']} | {r['params']} | {r['subnormal']:.1%} | {r['underflow']:.1%} | {a32:.2f} | "
                      f"{a16:.2f} | {a16 - a32:+.2f} | {s0:.2f} | {s32:.2f} | {s16:.2f} | {s16 - s32:+.2f} |")
+    lines += ["", "One float16 allreduce, ns per element: the gradient (repeated to the probe's size) and the "
+              "calibration's values (`gradient_like`), at the gradient's size and at the calibration's probe's.", "",
+              "| ranks | gradient, own size | gradient, probe size | gradient_like, own size "
+              "| gradient_like, probe size |",
+              "|---|---|---|---|---|"]
+    for r in doc["results"]:
+        if "fp16_gradient_own_s_per_element" in r:
+            cells = [r[f"fp16_{v}_{s}_s_per_element"] * 1e9
+                     for v in ("gradient", "gradient_like") for s in ("own", "probe")]
+            lines.append(f"| {r['ranks']} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
