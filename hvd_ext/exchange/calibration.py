@@ -134,7 +134,7 @@ def from_env() -> Optional[Dict[str, Any]]:
             _CACHE[path] = e
     got = _CACHE[path]
     if isinstance(got, CalibrationError):
-        raise got
+        raise CalibrationError(got.path, got.what)
     return got
 
 
