@@ -44,8 +44,8 @@ every ``every`` exchanges, ``check`` exchanges after a codec that has not run be
 calibrate the model with its measured cost), and when the measured exchange time leaves [0.5x, 2x]
 of the prediction. A candidate is timed and sized at the step it would run from: one still in its
 own dense warm-up (``powersgd`` before its ``warmup=`` exchanges) is priced dense, as it would send,
-until a decision past that warm-up. The default candidates stop at 8 bits and 3%: coarser codecs
-only when listed.
+and the decision is taken again at the exchange its warm-up ends. The default candidates stop at 8
+bits and 3%: coarser codecs only when listed.
 Measurements behind these defaults: ``docs/auto.md`` and ``benchmarks/auto_trust.py``.
 
 Spec: ``auto:every=1000,warmup=5,accuracy=strict,bound=0.5,candidates=none,fp16,topk:ratio=0.01``
@@ -82,6 +82,7 @@ _PROBE_LARGE = 256 * 1024          # floats (1 MB)
 _PROBE_ENOUGH = 10.0  # one large probe suffices once it takes this x the small one (bandwidth-bound)
 _CUT = 1.3      # a trial contender this x (1 + slack) slower than the shortest so far stops early
 _ROUNDS = 2     # a trial's contenders take turns in this many rounds (ABC CBA)
+WARMED_UP = "candidate warm-up over"  # the reason of a decision at the end of a candidate's own warm-up
 
 AUTO_OPTIONS = {
     # of the options every codec takes, auto takes these two; route and hierarchy are its candidates'
@@ -343,6 +344,8 @@ class AutoTuner(Policy):
             return
         if self.last_eval is None or step - self.last_eval >= a.every:
             self.evaluate("scheduled" if self.last_eval is not None else "warmup")
+        elif any(self.last_eval < c.warmup_length() <= step for c in a.candidates):
+            self.evaluate(WARMED_UP)  # a candidate priced dense in its own warm-up: price it as it now sends
         elif step - self.last_eval >= a.check and self._measured and any(ci not in self.calib for ci in self.choice):
             self.evaluate("calibrate")  # a newly chosen codec has run `check` exchanges: learn its real cost
         elif (step - self.last_eval) % self._check_every == 0 and self._measured:
@@ -649,7 +652,7 @@ class AutoTuner(Policy):
                                 window=max(1, self.auto.trial // _ROUNDS))
         changed = self._apply(agreed, routes)
         # A re-decision that changes nothing (measurement noise, ranks out of step): check less often.
-        self._check_every = self.auto.check if changed or reason.split(";")[0] in ("warmup", "scheduled") \
+        self._check_every = self.auto.check if changed or reason.split(";")[0] in ("warmup", "scheduled", WARMED_UP) \
             else min(2 * self._check_every, self.auto.every)
         self.predicted_s = predicted
         self.last_eval = pipe.step

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hvd_ext
-from hvd_ext.auto import DEFAULT_CANDIDATES, AutoCompression, AutoTuner
+from hvd_ext.auto import DEFAULT_CANDIDATES, WARMED_UP, AutoCompression, AutoTuner
 from hvd_ext.exchange import cost
 from hvd_ext.exchange.bucket_cost import flat_cost
 from hvd_ext.exchange.routes import pricing
@@ -284,6 +284,23 @@ def test_a_candidate_in_its_own_warm_up_is_priced_as_it_would_send_now():
     pipe.step = 6
     matrix = 4.0 * 40 * 50  # w1, the bucket's one matrix: rank 1 sends P and Q (40 + 50 values)
     assert tuner._time_codec(powersgd, b, grads)["bytes"] == dense - matrix + 4.0 * (40 + 50)
+
+
+def test_the_decision_is_taken_again_when_a_candidates_warm_up_ends(monkeypatch):
+    """On a slow link PowerSGD (warmup=6) is priced dense at the first decision (step 2): nothing to
+    gain, the dense exchange stays. At step 6 its warm-up ends, auto decides again (long before
+    ``every``) and takes it, low-rank; every rank alike."""
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
+    spec = "auto:warmup=2,every=1000,trial=0,accuracy=relaxed,candidates=none,powersgd:rank=1,warmup=6"
+    runs = run_pipeline(spec, _grads(9, 2), 2)
+    for r in runs:
+        decisions = [(d["step"], d["reason"].split(";")[0], d["choice"]) for d in r.pipeline.auto.decisions]
+        assert decisions[0][:2] == (2, "warmup") and set(decisions[0][2]) == {"none"}
+        assert (6, WARMED_UP) in [d[:2] for d in decisions]
+        assert set(r.pipeline.auto.report()["choice"]) == {"powersgd:rank=1,warmup=6"}
+        assert [d[2] for d in decisions] == [d["choice"] for d in runs[0].pipeline.auto.decisions]
+    got = runs[0].received  # dense until step 6; then w1 (40 x 50, the one matrix) goes as P and Q
+    assert min(got[:6]) >= got[0] and max(got[6:]) < got[0] - 4 * 40 * 50 + 4 * (40 + 50) + 64
 
 
 def test_contenders_the_model_cannot_separate_are_measured(monkeypatch):
