@@ -44,8 +44,9 @@ every ``every`` exchanges, ``check`` exchanges after a codec that has not run be
 calibrate the model with its measured cost), and when the measured exchange time leaves [0.5x, 2x]
 of the prediction. A candidate is timed and sized at the step it would run from: one still in its
 own dense warm-up (``powersgd`` before its ``warmup=`` exchanges) is priced dense, as it would send,
-and the decision is taken again at the exchange its warm-up ends. The default candidates stop at 8
-bits and 3%: coarser codecs only when listed.
+and the decision is taken again at the exchange its warm-up ends (after a trial that ran past it,
+at the trial's end), without learning the model's calibration from the exchanges before it. The
+default candidates stop at 8 bits and 3%: coarser codecs only when listed.
 Measurements behind these defaults: ``docs/auto.md`` and ``benchmarks/auto_trust.py``.
 
 Spec: ``auto:every=1000,warmup=5,accuracy=strict,bound=0.5,candidates=none,fp16,topk:ratio=0.01``
@@ -285,6 +286,7 @@ class AutoTuner(Policy):
         self.pipe = pipeline
         self.choice: List[int] = [self.dense_index(auto)] * len(pipeline.buckets)
         self.last_eval: Optional[int] = None
+        self.priced_at: Optional[int] = None  # the step at which the candidates' codecs were last timed
         self.predicted_s: Optional[float] = None
         self.link: Dict[str, float] = {}
         self.network: Optional[Network] = None  # what the last decision priced the routes on
@@ -344,12 +346,19 @@ class AutoTuner(Policy):
             return
         if self.last_eval is None or step - self.last_eval >= a.every:
             self.evaluate("scheduled" if self.last_eval is not None else "warmup")
-        elif any(self.last_eval < c.warmup_length() <= step for c in a.candidates):
+        elif self._warm_up_ended(step):
             self.evaluate(WARMED_UP)  # a candidate priced dense in its own warm-up: price it as it now sends
         elif step - self.last_eval >= a.check and self._measured and any(ci not in self.calib for ci in self.choice):
             self.evaluate("calibrate")  # a newly chosen codec has run `check` exchanges: learn its real cost
         elif (step - self.last_eval) % self._check_every == 0 and self._measured:
             self._check_drift()
+
+    def _warm_up_ended(self, step: int) -> bool:
+        """An allowed candidate's own dense warm-up (``Compressor.own_warmup``) ended since the codecs
+        were last timed (a trial ran past it too): the same on every rank (step, candidates, state)."""
+        priced = self.priced_at if self.priced_at is not None else self.last_eval
+        return any(priced < c.own_warmup() <= step for ci, c in enumerate(self.auto.candidates)
+                   if self.auto.allowed(ci))
 
     # ---- carrying a replaced codec's memory over -------------------------------------------
     def switched(self, b) -> None:
@@ -555,11 +564,14 @@ class AutoTuner(Policy):
                     r = self._time_codec(c, b, grads)
                     rows += [r["enc"], r["dec"], r["bytes"]]
             self._codec_rows = (layout, rows)
+            self.priced_at = pipe.step
         periods, meas = self._periods[-50:], self._measured[-50:]
         # Medians: a pause between two steps (evaluation, a checkpoint, other work in the loop) must not
         # read as compute, or every exchange would look cheap next to the step.
         compute = (median(periods) - median(meas)) if periods and meas else 0.0
-        ran = median(meas) if meas else 0.0  # median exchange time of the codecs chosen until now
+        # median exchange time of the codecs chosen until now; none learnt at a candidate's warm-up end,
+        # where what ran may have been that candidate still dense, against its price from now on
+        ran = median(meas) if meas and reason != WARMED_UP else 0.0
         guard = self.guard is not None and self.guard.ratio is None
         qs = self.guard.local_ratios(len(pipe.buckets)) if guard else []
         local = torch.tensor([probe["lat"], probe["large"], max(compute, 0.0), ran] + rows + qs, dtype=torch.float64)
@@ -652,8 +664,8 @@ class AutoTuner(Policy):
                                 window=max(1, self.auto.trial // _ROUNDS))
         changed = self._apply(agreed, routes)
         # A re-decision that changes nothing (measurement noise, ranks out of step): check less often.
-        self._check_every = self.auto.check if changed or reason.split(";")[0] in ("warmup", "scheduled", WARMED_UP) \
-            else min(2 * self._check_every, self.auto.every)
+        planned = reason.split(";")[0] in ("warmup", "scheduled", WARMED_UP)
+        self._check_every = self.auto.check if changed or planned else min(2 * self._check_every, self.auto.every)
         self.predicted_s = predicted
         self.last_eval = pipe.step
         measured = sum(self._measured) / len(self._measured) if self._measured else None
@@ -842,7 +854,8 @@ class AutoTuner(Policy):
 
     def state_dict(self) -> Dict[str, Any]:
         return {"choice": list(self.choice), "routes": [b.route.name for b in self.pipe.buckets],
-                "size": self.pipe.size, "last_eval": self.last_eval, "calib": dict(self.calib),
+                "size": self.pipe.size, "last_eval": self.last_eval, "priced_at": self.priced_at,
+                "calib": dict(self.calib),
                 "predicted_s": self.predicted_s,
                 "debt": {k: v.clone() for k, v in self.debt.items()}, "debt_left": dict(self.debt_left),
                 "guard": None if self.guard is None else self.guard.ratio}
@@ -858,6 +871,7 @@ class AutoTuner(Policy):
                     self.pipe.set_bucket_compressor(b, self.auto.candidates[ci], kind)
             self.choice = ch
             self.last_eval = state.get("last_eval")
+            self.priced_at = state.get("priced_at", self.last_eval)
             self.predicted_s = state.get("predicted_s")   # what the drift checks compare with
             self.calib = {int(k): float(v) for k, v in (state.get("calib") or {}).items()}
             ratio = state.get("guard")

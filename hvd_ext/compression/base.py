@@ -173,6 +173,11 @@ class Compressor:
         """The dense warm-up this codec runs: ``warmup=`` if given, else ``default_warmup``."""
         return int(self.warmup) if self.warmup is not None else int(self.default_warmup(frozen_moment))
 
+    def own_warmup(self) -> int:
+        """Exchanges this codec sends dense by itself at the start, whoever runs it (a candidate of
+        ``auto`` too); the pipeline's dense warm-up of a fixed codec (:meth:`warmup_length`) is apart."""
+        return 0
+
     def validate(self) -> None:
         """Cross-option checks; raise ValueError naming the problem."""
 

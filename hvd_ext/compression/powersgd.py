@@ -89,6 +89,9 @@ class PowerSGDCompressor(Compressor):
         n, m, r = ms
         return 4 * (n + m) * r
 
+    def own_warmup(self) -> int:
+        return self.warmup_length()
+
     def compressed_shape(self, info):
         """(n, m, r) of the low-rank exchange of ``info``'s tensor at its step, or None (sent dense)."""
         return self.matrix_shape(info.shape) if info.step >= self.warmup_length() else None

@@ -291,16 +291,41 @@ def test_the_decision_is_taken_again_when_a_candidates_warm_up_ends(monkeypatch)
     gain, the dense exchange stays. At step 6 its warm-up ends, auto decides again (long before
     ``every``) and takes it, low-rank; every rank alike."""
     monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
+    learnt = []
+    real = AutoTuner._calibrate
+
+    def calibrate(self, measured, predicted, ran=None):
+        learnt.append((self.pipe.step, measured))
+        return real(self, measured, predicted, ran)
+
+    monkeypatch.setattr(AutoTuner, "_calibrate", calibrate)
     spec = "auto:warmup=2,every=1000,trial=0,accuracy=relaxed,candidates=none,powersgd:rank=1,warmup=6"
     runs = run_pipeline(spec, _grads(9, 2), 2)
     for r in runs:
         decisions = [(d["step"], d["reason"].split(";")[0], d["choice"]) for d in r.pipeline.auto.decisions]
         assert decisions[0][:2] == (2, "warmup") and set(decisions[0][2]) == {"none"}
-        assert (6, WARMED_UP) in [d[:2] for d in decisions]
+        assert [d[:2] for d in decisions[1:]] == [(6, WARMED_UP)]
         assert set(r.pipeline.auto.report()["choice"]) == {"powersgd:rank=1,warmup=6"}
-        assert [d[2] for d in decisions] == [d["choice"] for d in runs[0].pipeline.auto.decisions]
+    # what ran before (maybe that candidate, dense) is not learnt against its price from now on
+    assert {step for step, m in learnt if m > 0} == {2} and {step for step, m in learnt if m == 0} == {6}
     got = runs[0].received  # dense until step 6; then w1 (40 x 50, the one matrix) goes as P and Q
     assert min(got[:6]) >= got[0] and max(got[6:]) < got[0] - 4 * 40 * 50 + 4 * (40 + 50) + 64
+
+
+def test_only_a_warm_up_the_candidate_runs_itself_is_waited_for():
+    """Under auto only PowerSGD sends dense by itself at the start (``own_warmup``); a top-k
+    ``warmup=`` is the pipeline's, which auto does not run per candidate: no decision waits for it.
+    A trial that ran past a candidate's warm-up is followed by a decision at its end."""
+    spec = "auto:warmup=2,every=1000,trial=0,accuracy=relaxed,candidates=none,topk:ratio=0.1,warmup=4"
+    runs = run_pipeline(spec, _grads(7, 2), 2)
+    assert [d["reason"] for d in runs[0].pipeline.auto.decisions] == ["warmup"]
+    runs = run_pipeline("auto:warmup=2,every=1000,accuracy=relaxed,candidates=none,powersgd:rank=1,warmup=6",
+                        _grads(3, 2), 2)
+    tuner = runs[0].pipeline.auto
+    tuner.priced_at, tuner.last_eval = 3, 8   # timed at step 3, a trial until step 8
+    assert tuner._warm_up_ended(8) and not tuner._warm_up_ended(5)
+    tuner.priced_at = 6
+    assert not tuner._warm_up_ended(9)
 
 
 def test_contenders_the_model_cannot_separate_are_measured(monkeypatch):
