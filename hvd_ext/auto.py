@@ -451,15 +451,17 @@ class AutoTuner(Policy):
         return {"enc": enc, "dec": dec, "bytes": nbytes}
 
     def _roundtrip(self, c: Compressor, b, us: List[torch.Tensor]) -> List[torch.Tensor]:
-        """``us`` coded and decoded by ``c`` as this rank alone would (the accuracy guard's shadow)."""
-        return self._code(c, b, us)[0]
+        """``us`` coded and decoded by ``c`` as this rank alone would once ``c`` compresses, past its own
+        warm-up (the accuracy guard's shadow: a codec's error, not its dense start's)."""
+        return self._code(c, b, us, max(self.pipe.step, c.own_warmup()))[0]
 
-    def _code(self, c: Compressor, b, us: List[torch.Tensor]):
-        """Code bucket ``b``'s tensors ``us`` with ``c`` as the pipeline would, nothing sent and nothing
-        staged kept: (decoded tensors, flat; encode s; decode s; payload bytes)."""
-
+    def _code(self, c: Compressor, b, us: List[torch.Tensor], step: Optional[int] = None):
+        """Code bucket ``b``'s tensors ``us`` with ``c`` as the pipeline would at ``step`` (default: its
+        own), nothing sent and nothing staged kept: (decoded tensors, flat; encode s; decode s; payload
+        bytes)."""
         pipe = self.pipe
-        infos = [TensorInfo(name=n, shape=u.shape, step=pipe.step, rank=pipe.rank, size=pipe.size,
+        step = pipe.step if step is None else step
+        infos = [TensorInfo(name=n, shape=u.shape, step=step, rank=pipe.rank, size=pipe.size,
                             param=p.detach(), scale=pipe.exchange.scale()) for n, p, u in zip(b.names, b.params, us)]
         sizes = [u.numel() for u in us]
         timer = Timer(us[0].device if us else "cpu")  # CUDA events on a GPU: the work, not its launches

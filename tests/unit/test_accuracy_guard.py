@@ -114,6 +114,18 @@ def test_the_guard_error_ratio_is_the_residual_fraction():
     assert guard.eligible(0, 0) and guard.eligible(0, 1) == (q[1] <= 0.5)
 
 
+def test_the_guard_measures_a_codec_past_its_own_dense_warm_up(monkeypatch):
+    """PowerSGD sends dense for its first ``warmup=`` exchanges (100 by default), longer than auto's
+    warm-up: the guard codes it as it will compress, not as its dense start (whose error is 0)."""
+    monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
+    q = {}
+    for spec in ("powersgd:rank=1", "powersgd:rank=1,warmup=0"):
+        runs = run_pipeline(f"auto:warmup=4,candidates=none,{spec}", _grads(5, 2), 2)
+        q[spec] = [row[spec] for row in runs[0].pipeline.auto.guard_report()["error_ratio"]]
+    assert q["powersgd:rank=1"] == q["powersgd:rank=1,warmup=0"]
+    assert all(v > 0.1 for v in q["powersgd:rank=1"])
+
+
 def test_a_nonfinite_warmup_step_is_not_measured(monkeypatch):
     monkeypatch.setattr(AutoTuner, "_probe_link", _link(slow_from=0))
     grads = _grads(6, 2)
