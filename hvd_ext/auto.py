@@ -44,8 +44,9 @@ every ``every`` exchanges, ``check`` exchanges after a codec that has not run be
 calibrate the model with its measured cost), and when the measured exchange time leaves [0.5x, 2x]
 of the prediction. A candidate is timed and sized at the step it would run from: one still in its
 own dense warm-up (``powersgd`` before its ``warmup=`` exchanges) is priced dense, as it would send,
-and the decision is taken again at the exchange its warm-up ends (after a trial that ran past it,
-at the trial's end), without learning the model's calibration from the exchanges before it. The
+and the decision is taken again at the exchange its warm-up ends (right after a trial that ran past
+it), where the guard leaves it some bucket; that decision learns no calibration from the exchanges
+before it. The
 default candidates stop at 8 bits and 3%: coarser codecs only when listed.
 Measurements behind these defaults: ``docs/auto.md`` and ``benchmarks/auto_trust.py``.
 
@@ -344,21 +345,25 @@ class AutoTuner(Policy):
             elif ran == SETTLE + max(3, a.trial // 4) and t.round == 0 and t.first:
                 self._trial_window_done(early=True)
             return
-        if self.last_eval is None or step - self.last_eval >= a.every:
-            self.evaluate("scheduled" if self.last_eval is not None else "warmup")
+        if self.last_eval is None:
+            self.evaluate("warmup")
         elif self._warm_up_ended(step):
             self.evaluate(WARMED_UP)  # a candidate priced dense in its own warm-up: price it as it now sends
+        elif step - self.last_eval >= a.every:
+            self.evaluate("scheduled")
         elif step - self.last_eval >= a.check and self._measured and any(ci not in self.calib for ci in self.choice):
             self.evaluate("calibrate")  # a newly chosen codec has run `check` exchanges: learn its real cost
         elif (step - self.last_eval) % self._check_every == 0 and self._measured:
             self._check_drift()
 
     def _warm_up_ended(self, step: int) -> bool:
-        """An allowed candidate's own dense warm-up (``Compressor.own_warmup``) ended since the codecs
-        were last timed (a trial ran past it too): the same on every rank (step, candidates, state)."""
+        """A candidate some bucket may use ended its own dense warm-up (``Compressor.own_warmup``) since
+        the codecs were last timed (a trial ran past it too): the same on every rank (step, candidates,
+        the guard's agreed verdict, the agreed state)."""
         priced = self.priced_at if self.priced_at is not None else self.last_eval
-        return any(priced < c.own_warmup() <= step for ci, c in enumerate(self.auto.candidates)
-                   if self.auto.allowed(ci))
+        buckets = range(len(self.pipe.buckets))
+        return any(priced < c.own_warmup() <= step and any(self.eligible(bi, ci) for bi in buckets)
+                   for ci, c in enumerate(self.auto.candidates))
 
     # ---- carrying a replaced codec's memory over -------------------------------------------
     def switched(self, b) -> None:

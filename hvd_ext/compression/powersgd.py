@@ -61,6 +61,7 @@ class PowerSGDCompressor(Compressor):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.q_memory = {}
+        self._staged_q = {}  # this step's Q, the warm start from the next step on (commit)
         self._q0 = {}
 
     # ---- shape decisions (identical on every rank: shapes and step only) ----------------
@@ -144,8 +145,9 @@ class PowerSGDCompressor(Compressor):
             return Continue(Q.reshape(-1), ("Q", P, dtype, q))
         _, P, dtype, q = ctx
         Q = payload.reshape(-1, P.shape[1])
-        # the warm start keeps the last finite Q (decided on the device: no read)
-        self.q_memory[info.name] = torch.where(torch.isfinite(Q).all(), Q, q.to(Q.dtype)).detach().clone()
+        # the warm start keeps the last finite Q (decided on the device: no read), from the step's end
+        # on: staged until the pipeline commits a finite step (a trial coding of auto's is discarded)
+        self._staged_q[info.name] = torch.where(torch.isfinite(Q).all(), Q, q.to(Q.dtype)).detach().clone()
         return (P @ Q.t()).to(dtype).reshape(info.shape)
 
     def local_contribution(self, payload, ctx, info, result):
@@ -159,8 +161,16 @@ class PowerSGDCompressor(Compressor):
         return result
 
     # ---- state -----------------------------------------------------------------------------------
+    def commit(self) -> None:
+        self.q_memory.update(self._staged_q)
+        self._staged_q = {}
+
+    def discard(self) -> None:
+        self._staged_q = {}
+
     def state_dict(self):
         return {"q_memory": {k: v.clone() for k, v in self.q_memory.items()}}
 
     def load_state_dict(self, state):
         self.q_memory = {k: v.clone() for k, v in state.get("q_memory", {}).items()}
+        self._staged_q = {}

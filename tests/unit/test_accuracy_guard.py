@@ -124,6 +124,10 @@ def test_the_guard_measures_a_codec_past_its_own_dense_warm_up(monkeypatch):
         q[spec] = [row[spec] for row in runs[0].pipeline.auto.guard_report()["error_ratio"]]
     assert q["powersgd:rank=1"] == q["powersgd:rank=1,warmup=0"]
     assert all(v > 0.1 for v in q["powersgd:rank=1"])
+    # the shadow passes (and the codec timings) leave the codec's training state as it was: no warm
+    # start was kept from them, since PowerSGD has not yet sent a low-rank step
+    powersgd = runs[0].pipeline.auto.auto.candidates[1]
+    assert powersgd.q_memory == {} and powersgd._staged_q == {}
 
 
 def test_a_nonfinite_warmup_step_is_not_measured(monkeypatch):

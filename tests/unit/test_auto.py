@@ -314,11 +314,17 @@ def test_the_decision_is_taken_again_when_a_candidates_warm_up_ends(monkeypatch)
 
 def test_only_a_warm_up_the_candidate_runs_itself_is_waited_for():
     """Under auto only PowerSGD sends dense by itself at the start (``own_warmup``); a top-k
-    ``warmup=`` is the pipeline's, which auto does not run per candidate: no decision waits for it.
-    A trial that ran past a candidate's warm-up is followed by a decision at its end."""
+    ``warmup=`` is the pipeline's, which auto does not run per candidate: no decision waits for it,
+    nor for a candidate the guard rules out. A trial that ran past a candidate's warm-up is followed
+    by a decision right after it."""
     spec = "auto:warmup=2,every=1000,trial=0,accuracy=relaxed,candidates=none,topk:ratio=0.1,warmup=4"
     runs = run_pipeline(spec, _grads(7, 2), 2)
     assert [d["reason"] for d in runs[0].pipeline.auto.decisions] == ["warmup"]
+    # nor for a warm-up the accuracy guard has ruled the candidate out of (rank 1 of these gradients)
+    runs = run_pipeline("auto:warmup=3,every=1000,trial=0,candidates=none,powersgd:rank=1,warmup=6", _grads(8, 2), 2)
+    tuner = runs[0].pipeline.auto
+    assert not any(tuner.eligible(bi, 1) for bi in range(len(runs[0].pipeline.buckets)))
+    assert [d["reason"] for d in tuner.decisions] == ["warmup"]
     runs = run_pipeline("auto:warmup=2,every=1000,accuracy=relaxed,candidates=none,powersgd:rank=1,warmup=6",
                         _grads(3, 2), 2)
     tuner = runs[0].pipeline.auto

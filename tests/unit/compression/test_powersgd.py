@@ -8,7 +8,8 @@ from helpers.quant import info
 
 
 def powersgd_round(comps, mats, name="m", step=0):
-    """Simulate the pipeline's allreduce(Average) rounds for several ranks in one process."""
+    """Simulate the pipeline's allreduce(Average) rounds for several ranks in one process, and its
+    commit of the finite step (the warm start's Q)."""
     infos = [info(name, m.shape, step, r) for r, m in enumerate(mats)]
     outs = [c.compress(m, i) for c, m, i in zip(comps, mats, infos)]
     payloads, ctxs = [o[0] for o in outs], [o[1] for o in outs]
@@ -16,6 +17,8 @@ def powersgd_round(comps, mats, name="m", step=0):
         avg = torch.stack(payloads).mean(0)
         res = [c.decompress(avg.clone(), ctx, i) for c, ctx, i in zip(comps, ctxs, infos)]
         if not isinstance(res[0], Continue):
+            for c in comps:
+                c.commit()
             return res, payloads, ctxs, infos
         payloads, ctxs = [r.payload for r in res], [r.ctx for r in res]
 
