@@ -46,8 +46,7 @@ of the prediction. A candidate is timed and sized at the step it would run from:
 own dense warm-up (``powersgd`` before its ``warmup=`` exchanges) is priced dense, as it would send,
 and the decision is taken again at the exchange its warm-up ends (right after a trial that ran past
 it), where the guard leaves it some bucket; that decision learns no calibration from the exchanges
-before it. The
-default candidates stop at 8 bits and 3%: coarser codecs only when listed.
+before it. The default candidates stop at 8 bits and 3%: coarser codecs only when listed.
 Measurements behind these defaults: ``docs/auto.md`` and ``benchmarks/auto_trust.py``.
 
 Spec: ``auto:every=1000,warmup=5,accuracy=strict,bound=0.5,candidates=none,fp16,topk:ratio=0.01``
