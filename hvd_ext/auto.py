@@ -45,8 +45,9 @@ calibrate the model with its measured cost), and when the measured exchange time
 of the prediction. A candidate is timed and sized at the step it would run from: one still in its
 own dense warm-up (``powersgd`` before its ``warmup=`` exchanges) is priced dense, as it would send,
 and the decision is taken again at the exchange its warm-up ends (right after a trial that ran past
-it), where the guard leaves it some bucket; that decision learns no calibration from the exchanges
-before it. The default candidates stop at 8 bits and 3%: coarser codecs only when listed.
+it), where the guard leaves it some bucket; that decision, and a trial across that exchange, learn
+no calibration of it from the exchanges before. The default candidates stop at 8 bits and 3%:
+coarser codecs only when listed.
 Measurements behind these defaults: ``docs/auto.md`` and ``benchmarks/auto_trust.py``.
 
 Spec: ``auto:every=1000,warmup=5,accuracy=strict,bound=0.5,candidates=none,fp16,topk:ratio=0.01``
@@ -359,10 +360,22 @@ class AutoTuner(Policy):
         """A candidate some bucket may use ended its own dense warm-up (``Compressor.own_warmup``) since
         the codecs were last timed (a trial ran past it too): the same on every rank (step, candidates,
         the guard's agreed verdict, the agreed state)."""
-        priced = self.priced_at if self.priced_at is not None else self.last_eval
         buckets = range(len(self.pipe.buckets))
-        return any(priced < c.own_warmup() <= step and any(self.eligible(bi, ci) for bi in buckets)
-                   for ci, c in enumerate(self.auto.candidates))
+        return any(self._warmed_up_since_priced(ci, step) and any(self.eligible(bi, ci) for bi in buckets)
+                   for ci in range(len(self.auto.candidates)))
+
+    def _warmed_up_since_priced(self, candidate: int, step: int) -> bool:
+        """``candidate`` ended its own dense warm-up after the codecs were last timed, by ``step``: its
+        exchanges since then were priced as it sent before."""
+        priced = self.priced_at if self.priced_at is not None else self.last_eval
+        return priced < self.auto.candidates[candidate].own_warmup() <= step
+
+    def _learn_from_trial(self, measured: float, contender: Contender) -> None:
+        """Calibrate ``contender``'s candidates from its trial exchanges, unless one of them ended its
+        own warm-up during the trial: its exchanges then ran both dense and compressed, against a
+        price of one (the decision right after the trial prices it again, :meth:`_warm_up_ended`)."""
+        if not any(self._warmed_up_since_priced(ci, self.pipe.step) for ci in set(contender.choice)):
+            self._calibrate(measured, [contender.predicted], ran=contender.choice)
 
     # ---- carrying a replaced codec's memory over -------------------------------------------
     def switched(self, b) -> None:
@@ -756,7 +769,7 @@ class AutoTuner(Policy):
                 if float(got[0]) <= _CUT * (1 + self.auto.slack) * min(t.first.values()):
                     return  # a contender still: it runs its whole window
                 t.cut.append(ci)
-                self._calibrate(float(got[1]), [t.contenders[ci].predicted], ran=t.contenders[ci].choice)
+                self._learn_from_trial(float(got[1]), t.contenders[ci])
             t.first[ci] = float(got[0])
         t.periods.setdefault(ci, []).extend(periods)
         t.exchange_s.setdefault(ci, []).extend(meas)
@@ -784,7 +797,7 @@ class AutoTuner(Policy):
         period = {ci: float(got[2 * k]) for k, ci in enumerate(alive)}
         exchange = {ci: float(got[2 * k + 1]) for k, ci in enumerate(alive)}
         for ci in alive:
-            self._calibrate(exchange[ci], [t.contenders[ci].predicted], ran=t.contenders[ci].choice)
+            self._learn_from_trial(exchange[ci], t.contenders[ci])
         shortest = min(period.values())
         pick = next(ci for ci in range(len(t.contenders)) if ci in period and period[ci] <= (1 + self.auto.slack) * shortest)
         cfg = t.contenders[pick]

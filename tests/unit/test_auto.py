@@ -334,6 +334,31 @@ def test_only_a_warm_up_the_candidate_runs_itself_is_waited_for():
     assert not tuner._warm_up_ended(9)
 
 
+def test_a_trial_across_a_candidates_warm_up_end_learns_nothing_of_that_candidate(monkeypatch):
+    """PowerSGD (warmup=8) and fp16 are close in the model, so the first decision (step 2) tries both.
+    PowerSGD's warm-up ends during the trial: its trial exchanges ran dense, then low-rank, against
+    its dense price, so the trial calibrates fp16 alone; the decision right after prices PowerSGD
+    again, as it now sends. Every rank alike."""
+    model = {"none": 20e-3, "fp16": 6e-3, "powersgd": 5e-3}
+    real = {"none": 20e-3, "fp16": 12e-3, "powersgd": 15e-3}
+    _fake_costs(monkeypatch, model, real)
+    spec = "auto:warmup=2,every=1000,accuracy=relaxed,check=1000,trial=4,candidates=none,fp16,powersgd:rank=1,warmup=8"
+    runs = run_pipeline(spec, _grads(24, 2), 2)
+    for r in runs:
+        d = r.pipeline.auto.decisions
+        trial = next(x for x in d if x["reason"] == "trial")
+        assert d[0]["step"] == 2 and d[0]["reason"].startswith("warmup; trying") and trial["step"] > 8, d
+        assert set(trial["calibration"]) == {"none", "fp16"}, trial
+        assert trial["calibration"]["fp16"] == pytest.approx(2.0)
+        after = d[d.index(trial) + 1]
+        assert after["reason"].split(";")[0] == WARMED_UP and after["step"] == trial["step"] + 1, d
+        assert r.pipeline.auto.calib == runs[0].pipeline.auto.calib
+    # a trial that ends before the warm-up does learn PowerSGD's ratio
+    runs = run_pipeline(spec.replace("warmup=8", "warmup=40"), _grads(24, 2), 2)
+    trial = next(x for x in runs[0].pipeline.auto.decisions if x["reason"] == "trial")
+    assert trial["calibration"]["powersgd:rank=1,warmup=40"] == pytest.approx(3.0)
+
+
 def test_contenders_the_model_cannot_separate_are_measured(monkeypatch):
     """The model predicts top-k fastest and fp16 within 2x of it; their real exchanges are the other
     way round. auto runs each contender `trial` exchanges (the predicted fastest first), compares the
