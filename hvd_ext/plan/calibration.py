@@ -26,10 +26,12 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
   (``links.intra.busy_lat_by_kind``: the node-aware route's first collective). The planner uses
   these when present;
 * **Horovod's own allreduce** -- only where hvd_ext waits otherwise than Horovod (ranks share cores:
-  :mod:`hvd_ext.exchange.waiting`): the flat allreduce again, waited for by Horovod's spinning
-  ``synchronize``, for the planner's Horovod rows; and always Horovod's float16 allreduce, which
-  its fp16 compression uses (on a CPU Horovod sums float16 element by element in scalar code, slower
-  per byte than float32; hvd_ext sums half precision in float32 itself).
+  :mod:`hvd_ext.exchange.waiting`; on any rank, every rank measures): the flat allreduce again,
+  waited for by Horovod's spinning ``synchronize``, for the planner's Horovod rows, and with a
+  ``step`` its cost inside a step, in rounds of tries spread over the whole calibration (a
+  spinning rank's waits come in bursts: :class:`_SpinningWaits`); and always Horovod's float16
+  allreduce, which its fp16 compression uses (on a CPU Horovod sums float16 element by element in
+  scalar code, slower per byte than float32; hvd_ext sums half precision in float32 itself).
 
 Every rank runs the same collectives in the same order; rank 0 writes the file.
 """
@@ -235,6 +237,44 @@ def _measure_busy_latency(job: _Job, step: Callable[[], Any], steps: int, tag: s
     return dict(zip(kinds, (agree or job).mean([statistics.median(times[k]) for k in kinds])))
 
 
+def spin_transport():
+    """Horovod's own transport, waited for as Horovod's ``synchronize`` waits (it spins)."""
+    from ..exchange.transport import HorovodTransport
+
+    return HorovodTransport(wait="spin")
+
+
+class _SpinningWaits:
+    """Horovod's own small allreduce right after a ``step`` on every rank, waited for by spinning, where
+    hvd_ext's ranks sleep (they share cores): the fixed cost of Horovod's allreduce inside a step. A
+    spinning rank's wait comes in bursts of a few seconds several times the usual one (the cores
+    are taken by something else), and one short run can fall into a burst; so the tries are taken in
+    rounds spread over the whole calibration (:func:`_round` between its other measurements), and
+    their median over all rounds is kept (the ranks' mean)."""
+
+    def __init__(self, job: _Job, step: Callable[[], Any], steps: int):
+        self.hjob = _Job(job.ex, job.device, spin_transport())
+        self.job, self.step, self.steps = job, step, steps
+        self.run = self.hjob.small_collectives("horovod.busy")["allreduce"]
+        self.tries: List[float] = []
+
+    def round(self) -> None:
+        for _ in range(self.steps):
+            self.hjob.run_step(self.step)
+            t0 = time.perf_counter()
+            self.run()
+            self.tries.append(time.perf_counter() - t0)
+
+    def seconds(self) -> float:
+        return self.job.mean([statistics.median(self.tries)])[0]
+
+
+def _round(spin: Optional[_SpinningWaits]) -> None:
+    """One round of :class:`_SpinningWaits` tries, where they are taken."""
+    if spin is not None:
+        spin.round()
+
+
 def _measure_node_busy_latency(job: _Job, step: Callable[[], Any], steps: int, links: Dict[str, Any]) -> None:
     """Across nodes, the same inside a step for a node's ranks (the group of the node-aware route's
     first collective, its reduce-scatter), into ``links["intra"]``."""
@@ -250,17 +290,24 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     import horovod.torch as hvd
 
     from ..exchange.core import Exchange
-    from ..exchange.transport import HorovodTransport
 
     if not hvd.is_initialized():
         hvd.init()
     device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
     job = _Job(Exchange(), device)
     links, nodes, local = _measure_links(job)
+    # hvd_ext waits otherwise than Horovod on some rank (ranks share cores): time Horovod's own allreduce too,
+    # on every rank (each rank's wait mode is its own)
+    sleeps = job.mean([1.0 if getattr(job.top, "sleeps", False) else 0.0])[0] > 0
+    spin = _SpinningWaits(job, step, steps) if sleeps and step is not None else None
     # each codec once, under the key a job and the planner look it up by (Compressor.codec_spec)
     specs = [s for s in dict.fromkeys(compression_from_spec(m).codec_spec() for m in [*methods, *DEFAULT_CANDIDATES])
              if s != "none"]
-    fits = job.mean([v for s in specs for v in fit_codec(s, codec_numel, device)])
+    fits: List[float] = []
+    for s in specs:
+        _round(spin)
+        fits += fit_codec(s, codec_numel, device)
+    fits = job.mean(fits)
     out: Dict[str, Any] = {"version": calibration.VERSION, "ranks": job.N, "nodes": nodes, "local": local,
                            "device": device.type, "links": links,
                            "codec": {s: fits[3 * i + 1] for i, s in enumerate(specs)},
@@ -270,19 +317,22 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
         out["codec_compiled"] = {s: fits[3 * i + 2] for i, s in enumerate(specs) if fits[3 * i + 2] > 0}
         out["compile_min"] = MIN_NUMEL
     if step is not None:
+        _round(spin)
         out["compute_s"] = _measure_compute(job, step, steps)
+        _round(spin)
         links["flat"]["busy_lat_by_kind"] = _measure_busy_latency(job, step, steps)
         if "inter" in links:  # node groups made (every node runs as many ranks: Topology.multi_node)
             _measure_node_busy_latency(job, step, steps, links)
-    hjob = job
-    if getattr(job.top, "sleeps", False):  # hvd_ext waits otherwise than Horovod here: time Horovod's own allreduce too
-        hjob = _Job(job.ex, device, HorovodTransport(wait="spin"))
+    hjob = _Job(job.ex, device, spin_transport()) if sleeps else job
+    if sleeps:
+        _round(spin)
         links["horovod"] = _flat_link(hjob, "horovod", kinds=("allreduce",))
-        if step is not None:
-            links["horovod"]["busy_lat_by_kind"] = _measure_busy_latency(hjob, step, steps, "horovod.busy",
-                                                                         kinds=("allreduce",))
     # Horovod's own float16 allreduce (its fp16 compression), whose sum on a CPU is scalar code
+    _round(spin)
     links["horovod_fp16"] = _flat_link(hjob, "horovod.fp16", kinds=(), dtype=torch.float16)
+    if spin is not None:
+        _round(spin)
+        links["horovod"]["busy_lat_by_kind"] = {"allreduce": spin.seconds()}
     return out
 
 

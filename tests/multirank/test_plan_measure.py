@@ -59,6 +59,27 @@ def test_measure_with_a_model_file_times_its_step(tmp_path):
     assert f"compute {cal['compute_s'] * 1e3:.1f} ms/step" in p.stdout
 
 
+def test_measure_where_one_rank_alone_waits_by_sleeping(tmp_path):
+    """A rank's wait mode is its own (``HVD_EXT_WAIT``, its cores): where only rank 1 sleeps, both
+    ranks still time Horovod's own allreduce, inside the step too, and the job finishes (the ranks
+    run the same collectives)."""
+    net, out = tmp_path / "net.py", tmp_path / "calib.json"
+    net.write_text("import torch\n\n"
+                   "def model():\n"
+                   "    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))\n\n"
+                   "def step(m):\n"
+                   "    m(torch.randn(16, 64)).square().mean().backward()\n")
+    hvdrun = str(ROOT / ".venv" / "bin" / "horovodrun") if (ROOT / ".venv" / "bin" / "horovodrun").exists() \
+        else "horovodrun"
+    plan = f"{sys.executable} -m hvd_ext.plan --measure --model-file {net} --methods qsgd:bits=8 --out {out}"
+    cmd = [hvdrun, "-np", "2", "--gloo", "sh", "-c", f'[ "$HOROVOD_RANK" = 1 ] && export HVD_EXT_WAIT=sleep; exec {plan}']
+    env = {k: v for k, v in _env().items() if k != "HVD_EXT_WAIT"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(ROOT))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    horovod = json.loads(out.read_text())["links"]["horovod"]
+    assert set(horovod["busy_lat_by_kind"]) == {"allreduce"} and horovod["busy_lat_by_kind"]["allreduce"] > 0
+
+
 def test_horovod_fuses_the_buckets_allreduces(tmp_path):
     """The planner prices hvd_ext's buckets as Horovod runs them, fused when they are ready together
     (``hvd_ext.plan.model.fused_groups``): Horovod's timeline shows them fused."""

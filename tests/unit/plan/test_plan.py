@@ -192,6 +192,48 @@ def test_a_collectives_cost_inside_a_step_is_the_median_of_its_tries_pooled_over
     assert got == pytest.approx({"allreduce": 0.01, "alltoall": 0.01})   # one round alone: 1.0 and 0.5
 
 
+def test_horovods_spinning_wait_inside_a_step_is_the_median_over_rounds_spread_in_time(monkeypatch):
+    """A spinning rank's waits come in bursts of a few seconds: two rounds of the six fall into one
+    and take 0.3 s a try, the others 0.08 s. Every round's tries are pooled, so the burst does not
+    decide the figure; the ranks' mean of each rank's median is kept; no round, no tries."""
+    import types
+
+    from hvd_ext.plan import calibration as measure
+
+    clock, tries = [0.0], []
+    burst = {1, 2}  # rounds in the burst
+
+    class Transport:
+        def size(self):
+            return 2
+
+    class Job:
+        def __init__(self, ex=None, device=None, top=None):
+            self.ex, self.device, self.top = ex, device, top
+
+        def small_collectives(self, tag):
+            def go():
+                tries.append(tag)
+                clock[0] += 0.3 if (len(tries) - 1) // 4 in burst else 0.08
+            return {"allreduce": go}
+
+        def run_step(self, step):
+            step()
+
+        def mean(self, values):
+            return [v * 1.5 for v in values]  # stands for the other rank's
+
+    monkeypatch.setattr(measure, "_Job", Job)
+    monkeypatch.setattr(measure, "spin_transport", Transport)
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    spin = measure._SpinningWaits(Job(), lambda: None, steps=4)
+    for _ in range(6):
+        measure._round(spin)
+    measure._round(None)
+    assert tries == ["horovod.busy"] * 24
+    assert spin.seconds() == pytest.approx(1.5 * 0.08)   # one burst round alone: 0.3
+
+
 def test_a_later_collective_is_priced_at_its_typical_cost_the_link_at_its_fastest(monkeypatch):
     """A collective waits for the next cycle of Horovod's background thread; the fastest of a few tries
     happened not to. The link's fit keeps the fastest tries (the link itself); each kind's fixed cost,
