@@ -3,12 +3,12 @@
 the calibration's in-step probe (``hvd_ext.plan.calibration._measure_busy_latency``'s loop), for
 hvd_ext's allreduce and Horovod's own, in ``--runs`` runs of ``--tries`` in one job.
 
-    python benchmarks/inside_step_probe.py [--ranks 4] [--runs 4] [--tries 10]
+    python benchmarks/inside_step_probe.py [--ranks 4] [--runs 4] [--tries 10] [--out NAME]
 
 One ``horovodrun --gloo`` job of ``--ranks`` ranks in an unshaped namespace on this machine's cores;
 each try: the main job's CNN step without exchange on every rank, then one small allreduce, timed
-on rank 0. Reported: each run's median and its tries, and the median of all tries pooled.
-Writes benchmarks/results/inside_step_probe.{json,md}.
+on rank 0. Reported: each run's median and its tries, in the order they ran, and the median of all
+tries pooled. Writes benchmarks/results/inside_step_probe.{json,md} (``--out NAME``: NAME.{json,md}).
 """
 from __future__ import annotations
 
@@ -78,11 +78,12 @@ def main(argv=None):
     common.add_one_job_options(ap, ranks=4)
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--tries", type=int, default=10)
+    ap.add_argument("--out", default="inside_step_probe")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
     passed = ["--runs", str(args.runs), "--tries", str(args.tries)]
-    common.one_job_benchmark(__file__, "inside_step_probe", argv, args, passed, render)
+    common.one_job_benchmark(__file__, args.out, argv, args, passed, render)
 
 
 if __name__ == "__main__":

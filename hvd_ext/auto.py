@@ -45,9 +45,9 @@ calibrate the model with its measured cost), and when the measured exchange time
 of the prediction. A candidate is timed and sized at the step it would run from: one still in its
 own dense warm-up (``powersgd`` before its ``warmup=`` exchanges) is priced dense, as it would send,
 and the decision is taken again at the exchange its warm-up ends (right after a trial that ran past
-it), where the guard leaves it some bucket; that decision, and a trial across that exchange, learn
-no calibration of it from the exchanges before. The default candidates stop at 8 bits and 3%:
-coarser codecs only when listed.
+it), where the guard leaves it some bucket; that decision learns no calibration from the exchanges
+before it, nor does a trial contender that ran that candidate past that exchange. The default
+candidates stop at 8 bits and 3%: coarser codecs only when listed.
 Measurements behind these defaults: ``docs/auto.md`` and ``benchmarks/auto_trust.py``.
 
 Spec: ``auto:every=1000,warmup=5,accuracy=strict,bound=0.5,candidates=none,fp16,topk:ratio=0.01``
@@ -371,10 +371,12 @@ class AutoTuner(Policy):
         return priced < self.auto.candidates[candidate].own_warmup() <= step
 
     def _learn_from_trial(self, measured: float, contender: Contender) -> None:
-        """Calibrate ``contender``'s candidates from its trial exchanges, unless one of them ended its
-        own warm-up during the trial: its exchanges then ran both dense and compressed, against a
-        price of one (the decision right after the trial prices it again, :meth:`_warm_up_ended`)."""
-        if not any(self._warmed_up_since_priced(ci, self.pipe.step) for ci in set(contender.choice)):
+        """Calibrate ``contender``'s candidates from its trial exchanges (the last of them ran at the
+        step before this one), unless one of its candidates ended its own dense warm-up between the
+        pricing and that exchange: some exchanges it measured then ran otherwise than they were priced,
+        and none of its candidates learns from them (the decision right after the trial prices that
+        candidate again, :meth:`_warm_up_ended`)."""
+        if not any(self._warmed_up_since_priced(ci, self.pipe.step - 1) for ci in set(contender.choice)):
             self._calibrate(measured, [contender.predicted], ran=contender.choice)
 
     # ---- carrying a replaced codec's memory over -------------------------------------------

@@ -246,11 +246,12 @@ def spin_transport():
 
 class _SpinningWaits:
     """Horovod's own small allreduce right after a ``step`` on every rank, waited for by spinning, where
-    hvd_ext's ranks sleep (they share cores): the fixed cost of Horovod's allreduce inside a step. A
-    spinning rank's wait comes in bursts of a few seconds several times the usual one (the cores
-    are taken by something else), and one short run can fall into a burst; so the tries are taken in
-    rounds spread over the whole calibration (:func:`_round` between its other measurements), and
-    their median over all rounds is kept (the ranks' mean)."""
+    any rank's hvd_ext waits by sleeping (ranks share cores): the fixed cost of Horovod's allreduce
+    inside a step. A spinning rank's wait comes in bursts of a few seconds several times the usual
+    one (the cores are taken by something else), and one short run can fall into a burst; so the
+    tries are taken in rounds spread over the whole calibration (:func:`_round` between its other
+    measurements; each round ``steps`` steps), and their median over all rounds is kept (the ranks'
+    mean)."""
 
     def __init__(self, job: _Job, step: Callable[[], Any], steps: int):
         self.hjob = _Job(job.ex, job.device, spin_transport())
@@ -259,6 +260,8 @@ class _SpinningWaits:
         self.tries: List[float] = []
 
     def round(self) -> None:
+        """``steps`` tries, once the ranks are together again (the work before differs per rank)."""
+        self.run()
         for _ in range(self.steps):
             self.hjob.run_step(self.step)
             t0 = time.perf_counter()
@@ -266,6 +269,7 @@ class _SpinningWaits:
             self.tries.append(time.perf_counter() - t0)
 
     def seconds(self) -> float:
+        """The ranks' mean of each rank's median try."""
         return self.job.mean([statistics.median(self.tries)])[0]
 
 

@@ -60,19 +60,21 @@ def test_measure_with_a_model_file_times_its_step(tmp_path):
 
 
 def test_measure_where_one_rank_alone_waits_by_sleeping(tmp_path):
-    """A rank's wait mode is its own (``HVD_EXT_WAIT``, its cores): where only rank 1 sleeps, both
-    ranks still time Horovod's own allreduce, inside the step too, and the job finishes (the ranks
-    run the same collectives)."""
+    """A rank's wait mode is its own (``HVD_EXT_WAIT``, its cores): where rank 1 sleeps and rank 0
+    spins, both ranks still time Horovod's own allreduce, inside the step too, and the job finishes
+    (the ranks run the same collectives)."""
     net, out = tmp_path / "net.py", tmp_path / "calib.json"
     net.write_text("import torch\n\n"
                    "def model():\n"
-                   "    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))\n\n"
+                   "    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),\n"
+                   "                               torch.nn.Linear(32, 10))\n\n"
                    "def step(m):\n"
                    "    m(torch.randn(16, 64)).square().mean().backward()\n")
     hvdrun = str(ROOT / ".venv" / "bin" / "horovodrun") if (ROOT / ".venv" / "bin" / "horovodrun").exists() \
         else "horovodrun"
     plan = f"{sys.executable} -m hvd_ext.plan --measure --model-file {net} --methods qsgd:bits=8 --out {out}"
-    cmd = [hvdrun, "-np", "2", "--gloo", "sh", "-c", f'[ "$HOROVOD_RANK" = 1 ] && export HVD_EXT_WAIT=sleep; exec {plan}']
+    wait = 'if [ "$HOROVOD_RANK" = 1 ]; then export HVD_EXT_WAIT=sleep; else export HVD_EXT_WAIT=spin; fi'
+    cmd = [hvdrun, "-np", "2", "--gloo", "sh", "-c", f"{wait}; exec {plan}"]
     env = {k: v for k, v in _env().items() if k != "HVD_EXT_WAIT"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(ROOT))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

@@ -359,6 +359,27 @@ def test_a_trial_across_a_candidates_warm_up_end_learns_nothing_of_that_candidat
     assert trial["calibration"]["powersgd:rank=1,warmup=40"] == pytest.approx(3.0)
 
 
+@pytest.mark.parametrize("warmup,learnt", [(10, False), (13, True)])
+def test_a_contender_cut_early_learns_nothing_past_its_candidates_warm_up_end(monkeypatch, warmup, learnt):
+    """PowerSGD, predicted second, is cut early (step 13: its exchanges take 5x the prediction). Where
+    its own warm-up ended before the last exchange measured (step 12), its exchanges ran otherwise than
+    they were priced: it learns no calibration; where it ends at step 13, all of them ran dense, as
+    priced, and it learns 5x."""
+    model = {"none": 20e-3, "fp16": 5e-3, "powersgd": 6e-3}
+    real = {"none": 20e-3, "fp16": 5e-3, "powersgd": 30e-3}
+    _fake_costs(monkeypatch, model, real)
+    spec = ("auto:warmup=2,every=1000,accuracy=relaxed,check=1000,trial=8,"
+            f"candidates=none,fp16,powersgd:rank=1,warmup={warmup}")
+    runs = run_pipeline(spec, _grads(16, 2), 2)
+    for r in runs:
+        trial = next(x for x in r.pipeline.auto.decisions if x["reason"] == "trial")
+        assert trial["cut_early"] == [f"powersgd:rank=1,warmup={warmup}"] and trial["step"] == 13, trial
+        cal = trial["calibration"]
+        assert cal["fp16"] == pytest.approx(1.0)
+        assert (cal.get(f"powersgd:rank=1,warmup={warmup}") == pytest.approx(5.0)) if learnt else \
+            f"powersgd:rank=1,warmup={warmup}" not in cal, cal
+
+
 def test_contenders_the_model_cannot_separate_are_measured(monkeypatch):
     """The model predicts top-k fastest and fp16 within 2x of it; their real exchanges are the other
     way round. auto runs each contender `trial` exchanges (the predicted fastest first), compares the
