@@ -330,12 +330,14 @@ def add_one_job_options(ap, ranks: int) -> None:
 
 
 def one_job_benchmark(script: str, name: str, argv: Optional[List[str]], args, worker_args: List[str],
-                      render: Callable[[Dict], str]) -> None:
-    """A benchmark of one ``horovodrun --gloo`` job of ``args.ranks`` ranks in an unshaped namespace:
-    refuse a loaded machine, run ``script --worker`` (:func:`run_worker`), save its result as NAME.{json,md}."""
+                      render: Callable[[Dict], str], rate: Optional[str] = None) -> None:
+    """A benchmark of one ``horovodrun --gloo`` job of ``args.ranks`` ranks in a namespace, unshaped or
+    its loopback at ``rate`` on the ``line`` shaper (:data:`SHAPERS`): refuse a loaded machine, run
+    ``script --worker`` (:func:`run_worker`), save its result as NAME.{json,md}."""
     refuse_if_loaded(args)
     machine, load = machine_info(), loadavg()
-    res = run_worker(script, f"{name}_logs", f"np{args.ranks}", shaped_prefix(None) + hvd_launcher(args.ranks),
+    prefix = shaped_prefix(rate, shaper="line" if rate else None)
+    res = run_worker(script, f"{name}_logs", f"np{args.ranks}", prefix + hvd_launcher(args.ranks),
                      worker_args, f"np {args.ranks}")
     if res is None:
         raise SystemExit(1)

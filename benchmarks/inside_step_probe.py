@@ -4,9 +4,12 @@ the calibration's in-step probe (``hvd_ext.plan.calibration._measure_busy_latenc
 hvd_ext's allreduce and Horovod's own, in ``--runs`` runs of ``--tries`` in one job.
 
     python benchmarks/inside_step_probe.py [--ranks 4] [--runs 4] [--tries 10] [--out NAME]
+                                           [--rate 1gbit] [--after-calibration]
 
-One ``horovodrun --gloo`` job of ``--ranks`` ranks in an unshaped namespace on this machine's cores;
-each try: the main job's CNN step without exchange on every rank, then one small allreduce, timed
+One ``horovodrun --gloo`` job of ``--ranks`` ranks in a namespace on this machine's cores, unshaped
+or its loopback at ``--rate`` on the line shaper (``common.SHAPERS``); with ``--after-calibration``
+the job first calibrates itself as ``plan_check.py``'s does (``hvd_ext.plan.calibration.measure``).
+Each try: the main job's CNN step without exchange on every rank, then one small allreduce, timed
 on rank 0. Reported: each run's median and its tries, in the order they ran, and the median of all
 tries pooled. Writes benchmarks/results/inside_step_probe.{json,md} (``--out NAME``: NAME.{json,md}).
 """
@@ -38,6 +41,9 @@ def worker(args) -> None:
     floor = common.main_cnn_run("compute", 128)
     for _ in range(3):
         step(floor)
+    if args.after_calibration:
+        measure.measure(methods=["qsgd:bits=8,exchange=twophase", "topk:ratio=0.01,exchange=twophase",
+                                 "powersgd:warmup=0"], step=lambda: step(floor), steps=8)
     job = measure._Job(Exchange(), torch.device("cpu"))
     jobs = {"hvd_ext": job, "horovod": measure._Job(job.ex, torch.device("cpu"), HorovodTransport(wait="spin"))}
     tries = {name: [] for name in jobs}
@@ -52,14 +58,18 @@ def worker(args) -> None:
                 times.append(time.perf_counter() - t0)
             tries[name].append(times)
     if hvd.rank() == 0:
-        Path(args.worker_out).write_text(json.dumps({"ranks": hvd.size(), "tries_s": tries}))
+        Path(args.worker_out).write_text(json.dumps({"ranks": hvd.size(), "rate": args.rate or "unshaped",
+                                                     "after_calibration": args.after_calibration,
+                                                     "tries_s": tries}))
 
 
 def render(doc) -> str:
     res = doc["results"][0]
     lines = ["# A collective right after a step, where ranks share cores", "",
              f"`{doc['command']}`; load at start {doc['loadavg_start']}; {res['ranks']} ranks on this machine's "
-             f"cores, unshaped. Milliseconds, rank 0's tries (module doc).", "",
+             f"cores, {res.get('rate', 'unshaped')}"
+             f"{', after the calibration' if res.get('after_calibration') else ''}. Milliseconds, rank 0's tries "
+             "(module doc).", "",
              "| allreduce | run | median | tries |", "|---|---|---|---|"]
     for name, runs in res["tries_s"].items():
         for i, times in enumerate(runs):
@@ -79,11 +89,14 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--tries", type=int, default=10)
     ap.add_argument("--out", default="inside_step_probe")
+    ap.add_argument("--rate", default=None, help="the loopback's rate on the line shaper (default: unshaped)")
+    ap.add_argument("--after-calibration", action="store_true")
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
-    passed = ["--runs", str(args.runs), "--tries", str(args.tries)]
-    common.one_job_benchmark(__file__, args.out, argv, args, passed, render)
+    passed = ["--runs", str(args.runs), "--tries", str(args.tries)] + (["--rate", args.rate] if args.rate else []) \
+        + (["--after-calibration"] if args.after_calibration else [])
+    common.one_job_benchmark(__file__, args.out, argv, args, passed, render, rate=args.rate)
 
 
 if __name__ == "__main__":
