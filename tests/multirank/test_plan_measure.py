@@ -7,11 +7,23 @@ import sys
 from conftest import ROOT, _env
 
 
+def _horovodrun() -> str:
+    """The project's horovodrun where the setup made one, else the one on the PATH."""
+    venv = ROOT / ".venv" / "bin" / "horovodrun"
+    return str(venv) if venv.exists() else "horovodrun"
+
+
+def _model_file(path, layers: str, step: str):
+    """A ``--model-file`` at ``path``: ``model()`` returns ``torch.nn.Sequential(layers)``, ``step(m)``
+    runs ``step`` (one statement) on it."""
+    path.write_text(f"import torch\n\ndef model():\n    return torch.nn.Sequential({layers})\n\n"
+                    f"def step(m):\n    {step}\n")
+    return path
+
+
 def test_measure_writes_a_calibration_the_planner_reads(tmp_path):
     out = tmp_path / "calib.json"
-    hvdrun = str(ROOT / ".venv" / "bin" / "horovodrun") if (ROOT / ".venv" / "bin" / "horovodrun").exists() \
-        else "horovodrun"
-    cmd = [hvdrun, "-np", "2", "--gloo", sys.executable, "-m", "hvd_ext.plan", "--measure",
+    cmd = [_horovodrun(), "-np", "2", "--gloo", sys.executable, "-m", "hvd_ext.plan", "--measure",
            "--methods", "qsgd:bits=8", "--out", str(out)]
     # hvd_ext's ranks wait by sleeping (as on a node with more ranks than cores): every hvd_ext
     # collective goes through the sleeping wait, and Horovod's own allreduce is timed apart
@@ -36,16 +48,10 @@ def test_measure_writes_a_calibration_the_planner_reads(tmp_path):
 def test_measure_with_a_model_file_times_its_step(tmp_path):
     """``--model-file``: the step's compute time and each collective's cost inside a step, which the
     planner then prices with (no --compute-ms needed)."""
-    net, out = tmp_path / "net.py", tmp_path / "calib.json"
-    net.write_text("import torch\n\n"
-                   "def model():\n"
-                   "    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))\n\n"
-                   "def step(m):\n"
-                   "    x = torch.randn(64, 256, device=next(m.parameters()).device)\n"
-                   "    m(x).square().mean().backward()\n")
-    hvdrun = str(ROOT / ".venv" / "bin" / "horovodrun") if (ROOT / ".venv" / "bin" / "horovodrun").exists() \
-        else "horovodrun"
-    cmd = [hvdrun, "-np", "2", "--gloo", sys.executable, "-m", "hvd_ext.plan", "--measure", "--model-file", str(net),
+    out = tmp_path / "calib.json"
+    net = _model_file(tmp_path / "net.py", "torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)",
+                      "m(torch.randn(64, 256, device=next(m.parameters()).device)).square().mean().backward()")
+    cmd = [_horovodrun(), "-np", "2", "--gloo", sys.executable, "-m", "hvd_ext.plan", "--measure", "--model-file", str(net),
            "--methods", "qsgd:bits=8", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=str(ROOT))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
@@ -63,18 +69,12 @@ def test_measure_where_one_rank_alone_waits_by_sleeping(tmp_path):
     """A rank's wait mode is its own (``HVD_EXT_WAIT``, its cores): where rank 1 sleeps and rank 0
     spins, both ranks still time Horovod's own allreduce, inside the step too, and the job finishes
     (the ranks run the same collectives)."""
-    net, out = tmp_path / "net.py", tmp_path / "calib.json"
-    net.write_text("import torch\n\n"
-                   "def model():\n"
-                   "    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),\n"
-                   "                               torch.nn.Linear(32, 10))\n\n"
-                   "def step(m):\n"
-                   "    m(torch.randn(16, 64)).square().mean().backward()\n")
-    hvdrun = str(ROOT / ".venv" / "bin" / "horovodrun") if (ROOT / ".venv" / "bin" / "horovodrun").exists() \
-        else "horovodrun"
+    out = tmp_path / "calib.json"
+    net = _model_file(tmp_path / "net.py", "torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)",
+                      "m(torch.randn(16, 64)).square().mean().backward()")
     plan = f"{sys.executable} -m hvd_ext.plan --measure --model-file {net} --methods qsgd:bits=8 --out {out}"
     wait = 'if [ "$HOROVOD_RANK" = 1 ]; then export HVD_EXT_WAIT=sleep; else export HVD_EXT_WAIT=spin; fi'
-    cmd = [hvdrun, "-np", "2", "--gloo", "sh", "-c", f"{wait}; exec {plan}"]
+    cmd = [_horovodrun(), "-np", "2", "--gloo", "sh", "-c", f"{wait}; exec {plan}"]
     env = {k: v for k, v in _env().items() if k != "HVD_EXT_WAIT"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(ROOT))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
