@@ -248,7 +248,7 @@ class _SpinningWaits:
     """Horovod's own small allreduce right after a ``step`` on every rank, waited for by spinning, where
     any rank's hvd_ext waits by sleeping (ranks share cores): the fixed cost of Horovod's allreduce
     inside a step. A spinning rank's wait comes in bursts of a few seconds several times the usual
-    one (the cores are taken by something else), and one short run can fall into a burst; so the
+    one (``benchmarks/inside_step_probe.py``), and one short run can fall into a burst; so the
     tries are taken in rounds spread over the whole calibration (:func:`_round` between its other
     measurements; each round ``steps`` steps), and their median over all rounds is kept (the ranks'
     mean)."""
