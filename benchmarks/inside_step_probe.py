@@ -19,7 +19,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,13 +49,7 @@ def worker(args) -> None:
     for r in range(args.runs):
         for name, j in jobs.items():
             run = j.small_collectives(f"probe.{r}.{name}")
-            times = []
-            for _ in range(args.tries):
-                step(floor)
-                t0 = time.perf_counter()
-                run["allreduce"]()
-                times.append(time.perf_counter() - t0)
-            tries[name].append(times)
+            tries[name].append(measure._tries(run["allreduce"], args.tries, before=lambda: step(floor)))
     if hvd.rank() == 0:
         Path(args.worker_out).write_text(json.dumps({"ranks": hvd.size(), "rate": args.rate or "unshaped",
                                                      "after_calibration": args.after_calibration,

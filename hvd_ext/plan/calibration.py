@@ -142,10 +142,12 @@ class _Job:
             torch.cuda.synchronize(self.device)
 
 
-def _tries(run: Callable[[], Any], reps: int) -> List[float]:
-    """Seconds of each of ``reps`` calls of ``run``, back to back."""
+def _tries(run: Callable[[], Any], reps: int, before: Optional[Callable[[], Any]] = None) -> List[float]:
+    """Seconds of each of ``reps`` calls of ``run``, back to back, or each after an untimed ``before()``."""
     out = []
     for _ in range(reps):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         run()
         out.append(time.perf_counter() - t0)
@@ -229,11 +231,7 @@ def _measure_busy_latency(job: _Job, step: Callable[[], Any], steps: int, tag: s
     times: Dict[str, List[float]] = {kind: [] for kind in kinds}
     for _ in range(rounds):
         for kind in kinds:
-            for _ in range(steps):
-                job.run_step(step)
-                t0 = time.perf_counter()
-                run[kind]()
-                times[kind].append(time.perf_counter() - t0)
+            times[kind] += _tries(run[kind], steps, before=lambda: job.run_step(step))
     return dict(zip(kinds, (agree or job).mean([statistics.median(times[k]) for k in kinds])))
 
 
@@ -253,20 +251,16 @@ class _SpinningWaits:
     measurements; each round ``steps`` steps), and their median over all rounds is kept (the ranks'
     mean)."""
 
-    def __init__(self, job: _Job, step: Callable[[], Any], steps: int):
-        self.hjob = _Job(job.ex, job.device, spin_transport())
-        self.job, self.step, self.steps = job, step, steps
+    def __init__(self, hjob: _Job, job: _Job, step: Callable[[], Any], steps: int):
+        """``hjob``: Horovod's own spinning transport; ``job``: the one the ranks agree over."""
+        self.hjob, self.job, self.step, self.steps = hjob, job, step, steps
         self.run = self.hjob.small_collectives("horovod.busy")["allreduce"]
         self.tries: List[float] = []
 
     def round(self) -> None:
         """``steps`` tries, once the ranks are together again (the work before differs per rank)."""
         self.run()
-        for _ in range(self.steps):
-            self.hjob.run_step(self.step)
-            t0 = time.perf_counter()
-            self.run()
-            self.tries.append(time.perf_counter() - t0)
+        self.tries += _tries(self.run, self.steps, before=lambda: self.hjob.run_step(self.step))
 
     def seconds(self) -> float:
         """The ranks' mean of each rank's median try."""
@@ -303,7 +297,8 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     # hvd_ext waits otherwise than Horovod on some rank (ranks share cores): time Horovod's own allreduce too,
     # on every rank (each rank's wait mode is its own)
     sleeps = job.mean([1.0 if getattr(job.top, "sleeps", False) else 0.0])[0] > 0
-    spin = _SpinningWaits(job, step, steps) if sleeps and step is not None else None
+    hjob = _Job(job.ex, device, spin_transport()) if sleeps else job
+    spin = _SpinningWaits(hjob, job, step, steps) if sleeps and step is not None else None
     # each codec once, under the key a job and the planner look it up by (Compressor.codec_spec)
     specs = [s for s in dict.fromkeys(compression_from_spec(m).codec_spec() for m in [*methods, *DEFAULT_CANDIDATES])
              if s != "none"]
@@ -327,7 +322,6 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
         links["flat"]["busy_lat_by_kind"] = _measure_busy_latency(job, step, steps)
         if "inter" in links:  # node groups made (every node runs as many ranks: Topology.multi_node)
             _measure_node_busy_latency(job, step, steps, links)
-    hjob = _Job(job.ex, device, spin_transport()) if sleeps else job
     if sleeps:
         _round(spin)
         links["horovod"] = _flat_link(hjob, "horovod", kinds=("allreduce",))

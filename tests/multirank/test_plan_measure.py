@@ -51,8 +51,8 @@ def test_measure_with_a_model_file_times_its_step(tmp_path):
     out = tmp_path / "calib.json"
     net = _model_file(tmp_path / "net.py", "torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)",
                       "m(torch.randn(64, 256, device=next(m.parameters()).device)).square().mean().backward()")
-    cmd = [_horovodrun(), "-np", "2", "--gloo", sys.executable, "-m", "hvd_ext.plan", "--measure", "--model-file", str(net),
-           "--methods", "qsgd:bits=8", "--out", str(out)]
+    cmd = [_horovodrun(), "-np", "2", "--gloo", sys.executable, "-m", "hvd_ext.plan", "--measure", "--model-file",
+           str(net), "--methods", "qsgd:bits=8", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=str(ROOT))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     cal = json.loads(out.read_text())

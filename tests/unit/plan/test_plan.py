@@ -204,14 +204,7 @@ def test_horovods_spinning_wait_inside_a_step_is_the_median_over_rounds_spread_i
     clock, tries = [0.0], []
     burst = {1, 2}  # rounds in the burst
 
-    class Transport:
-        def size(self):
-            return 2
-
     class Job:
-        def __init__(self, ex=None, device=None, top=None):
-            self.ex, self.device, self.top = ex, device, top
-
         def small_collectives(self, tag):
             def go():
                 tries.append(tag)
@@ -224,10 +217,8 @@ def test_horovods_spinning_wait_inside_a_step_is_the_median_over_rounds_spread_i
         def mean(self, values):
             return [v * 1.5 for v in values]  # stands for the other rank's
 
-    monkeypatch.setattr(measure, "_Job", Job)
-    monkeypatch.setattr(measure, "spin_transport", Transport)
     monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    spin = measure._SpinningWaits(Job(), lambda: None, steps=4)
+    spin = measure._SpinningWaits(Job(), Job(), lambda: None, steps=4)
     for _ in range(6):
         measure._round(spin)
     measure._round(None)
