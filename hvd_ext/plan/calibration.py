@@ -8,7 +8,9 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
   large one of gradient-like values, :func:`gradient_like`),
   fitted to ``lat + wire / bandwidth``, as ``auto``'s own probe does; and the fixed cost of each
   kind of collective the routes use, the median of its tries (a small allreduce, allgather and
-  alltoall: under a launcher whose alltoall is slow, the two-phase routes pay it on every bucket);
+  alltoall: under a launcher whose alltoall is slow, the two-phase routes pay it on every bucket),
+  tried in rounds spread over the whole calibration (a collective's waits come in bursts:
+  :class:`_SpreadTries`);
 * **the node links** -- with several nodes of several ranks, the intra- and inter-node probes of
   :func:`hvd_ext.exchange.probe.measure_node_model`; on one node the intra link is the flat one;
 * **codec speed** -- every listed spec (and ``auto``'s candidates) compresses and decodes a small
@@ -28,8 +30,7 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
 * **Horovod's own allreduce** -- only where hvd_ext waits otherwise than Horovod (ranks share cores:
   :mod:`hvd_ext.exchange.waiting`; on any rank, every rank measures): the flat allreduce again,
   waited for by Horovod's spinning ``synchronize``, for the planner's Horovod rows, and with a
-  ``step`` its cost inside a step, in rounds of tries spread over the whole calibration (a
-  spinning rank's waits come in bursts: :class:`_SpinningWaits`); and always Horovod's float16
+  ``step`` its cost inside a step, spread so; and always Horovod's float16
   allreduce, which its fp16 compression uses (on a CPU Horovod sums float16 element by element in
   scalar code, slower per byte than float32; hvd_ext sums half precision in float32 itself).
 
@@ -54,6 +55,7 @@ from ..spec import compression_from_spec
 
 SMALL, LARGE = 256, 4 * 1024 * 1024  # floats per allreduce probe
 BUSY_ROUNDS = 3  # rounds of tries of each collective inside a step (_measure_busy_latency)
+IDLE_TRIES = 3  # tries of each collective with the ranks together, a round (_SpreadTries)
 GRADIENT_SCALE = 1e-4  # of the values the probes time (gradient_like): about half below float16's smallest normal
 
 
@@ -154,20 +156,15 @@ def _tries(run: Callable[[], Any], reps: int, before: Optional[Callable[[], Any]
     return out
 
 
-def _flat_link(job: _Job, tag: str, kinds: Sequence[str] = calibration.COLLECTIVES,
-               dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
+def _flat_link(job: _Job, tag: str, dtype: torch.dtype = torch.float32) -> Dict[str, float]:
     """A small float32 allreduce and a large one of ``dtype`` over all ranks, the fastest of a few
-    tries each, fitted to ``lat + wire / bandwidth``; and the fixed cost of each collective of
-    ``kinds`` as a bucket's later collectives pay it, the median of its tries (``lat_by_kind``, left
-    out without kinds): a collective waits for the next cycle of Horovod's background thread, which
-    the fastest try happened not to. The large allreduce sums :func:`gradient_like` values, as
-    training does (an allreduce is in place: a fresh copy each try)."""
+    tries each (the link itself), fitted to ``lat + wire / bandwidth``. The large allreduce sums
+    :func:`gradient_like` values, as training does (an allreduce is in place: a fresh copy each try)."""
     values = gradient_like(LARGE, job.device, dtype)
     large = values.clone()
-    run = job.small_collectives(tag)
-    run["allreduce"]()  # the ranks start together
-    small_tries = _tries(run["allreduce"], 5)
-    t_small = min(small_tries)
+    small = job.small_collectives(tag)["allreduce"]
+    small()  # the ranks start together
+    t_small = min(_tries(small, 5))
     t_large = float("inf")
     for _ in range(3):
         large.copy_(values)
@@ -176,11 +173,9 @@ def _flat_link(job: _Job, tag: str, kinds: Sequence[str] = calibration.COLLECTIV
         t0 = time.perf_counter()
         job.allreduce(large, f"hvd_ext.calibrate.{tag}.large")
         t_large = min(t_large, time.perf_counter() - t0)
-    t_kinds = [statistics.median(small_tries if k == "allreduce" else _tries(run[k], 5)) for k in kinds]
-    t_small, t_large, *t_kinds = job.mean([t_small, t_large, *t_kinds])
+    t_small, t_large = job.mean([t_small, t_large])
     wire = cost.allreduce_wire(large.element_size() * (LARGE - SMALL), job.N)
-    link = {"lat": t_small, "bandwidth": wire / max(t_large - t_small, 1e-7)}
-    return {**link, "lat_by_kind": dict(zip(kinds, t_kinds))} if kinds else link
+    return {"lat": t_small, "bandwidth": wire / max(t_large - t_small, 1e-7)}
 
 
 def _measure_links(job: _Job) -> tuple:
@@ -242,35 +237,47 @@ def spin_transport():
     return HorovodTransport(wait="spin")
 
 
-class _SpinningWaits:
-    """Horovod's own small allreduce right after a ``step`` on every rank, waited for by spinning, where
-    any rank's hvd_ext waits by sleeping (ranks share cores): the fixed cost of Horovod's allreduce
-    inside a step. A spinning rank's wait comes in bursts of a few seconds several times the usual
-    one (``benchmarks/inside_step_probe.py``), and one short run can fall into a burst; so the
-    tries are taken in rounds spread over the whole calibration (:func:`_round` between its other
-    measurements; each round ``steps`` steps), and their median over all rounds is kept (the ranks'
-    mean)."""
+class _SpreadTries:
+    """Small collectives whose typical cost is wanted, tried in rounds spread over the whole
+    calibration (:meth:`round` between its other measurements), each probe's tries pooled over all
+    rounds and its median kept (the ranks' mean). A collective's fixed cost comes in bursts of a few
+    seconds several times the usual one (``benchmarks/inside_step_probe.py``: most of all a spinning
+    rank's, inside a step), and the tries of one short run can all fall into one burst. Each probe's
+    round starts with one untimed call, which lines the ranks up again (the work before differs per
+    rank)."""
 
-    def __init__(self, hjob: _Job, job: _Job, step: Callable[[], Any], steps: int):
-        """``hjob``: Horovod's own spinning transport; ``job``: the one the ranks agree over."""
-        self.hjob, self.job, self.step, self.steps = hjob, job, step, steps
-        self.run = self.hjob.small_collectives("horovod.busy")["allreduce"]
-        self.tries: List[float] = []
+    def __init__(self, job: _Job):
+        """``job``: the one the ranks agree over."""
+        self.job = job
+        self.probes: Dict[str, tuple] = {}
+        self.tries: Dict[str, List[float]] = {}
+
+    def add(self, name: str, run: Callable[[], Any], reps: int, before: Optional[Callable[[], Any]] = None) -> None:
+        """A probe: ``reps`` tries of ``run`` a round (each after an untimed ``before()``, where given)."""
+        self.probes[name] = (run, reps, before)
+        self.tries[name] = []
 
     def round(self) -> None:
-        """``steps`` tries, once the ranks are together again (the work before differs per rank)."""
-        self.run()
-        self.tries += _tries(self.run, self.steps, before=lambda: self.hjob.run_step(self.step))
+        """One round of every probe's tries."""
+        for name, (run, reps, before) in self.probes.items():
+            run()
+            self.tries[name] += _tries(run, reps, before)
 
-    def seconds(self) -> float:
-        """The ranks' mean of each rank's median try."""
-        return self.job.mean([statistics.median(self.tries)])[0]
+    def medians(self) -> Dict[str, float]:
+        """Each probe's figure: the ranks' mean of each rank's median try."""
+        names = list(self.probes)
+        return dict(zip(names, self.job.mean([statistics.median(self.tries[n]) for n in names])))
 
 
-def _round(spin: Optional[_SpinningWaits]) -> None:
-    """One round of :class:`_SpinningWaits` tries, where they are taken."""
-    if spin is not None:
-        spin.round()
+def _add_idle_probes(spread: _SpreadTries, job: _Job, hjob: Optional[_Job]) -> None:
+    """The fixed cost of each kind of collective with the ranks together, as a bucket's later
+    collectives pay it (``lat_by_kind``), the median of its tries: a collective waits for the next
+    cycle of Horovod's background thread, which the link's fastest try happened not to. With
+    ``hjob``, Horovod's own allreduce so."""
+    for kind, run in job.small_collectives("idle").items():
+        spread.add(f"flat.{kind}", run, IDLE_TRIES)
+    if hjob is not None:
+        spread.add("horovod.allreduce", hjob.small_collectives("horovod")["allreduce"], IDLE_TRIES)
 
 
 def _measure_node_busy_latency(job: _Job, step: Callable[[], Any], steps: int, links: Dict[str, Any]) -> None:
@@ -298,13 +305,17 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     # on every rank (each rank's wait mode is its own)
     sleeps = job.mean([1.0 if getattr(job.top, "sleeps", False) else 0.0])[0] > 0
     hjob = _Job(job.ex, device, spin_transport()) if sleeps else job
-    spin = _SpinningWaits(hjob, job, step, steps) if sleeps and step is not None else None
+    spread = _SpreadTries(job)
+    _add_idle_probes(spread, job, hjob if sleeps else None)
+    if sleeps and step is not None:  # Horovod's spinning wait inside a step
+        spread.add("horovod.busy", hjob.small_collectives("horovod.busy")["allreduce"], steps,
+                   before=lambda: hjob.run_step(step))
     # each codec once, under the key a job and the planner look it up by (Compressor.codec_spec)
     specs = [s for s in dict.fromkeys(compression_from_spec(m).codec_spec() for m in [*methods, *DEFAULT_CANDIDATES])
              if s != "none"]
     fits: List[float] = []
     for s in specs:
-        _round(spin)
+        spread.round()
         fits += fit_codec(s, codec_numel, device)
     fits = job.mean(fits)
     out: Dict[str, Any] = {"version": calibration.VERSION, "ranks": job.N, "nodes": nodes, "local": local,
@@ -316,22 +327,31 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
         out["codec_compiled"] = {s: fits[3 * i + 2] for i, s in enumerate(specs) if fits[3 * i + 2] > 0}
         out["compile_min"] = MIN_NUMEL
     if step is not None:
-        _round(spin)
+        spread.round()
         out["compute_s"] = _measure_compute(job, step, steps)
-        _round(spin)
+        spread.round()
         links["flat"]["busy_lat_by_kind"] = _measure_busy_latency(job, step, steps)
         if "inter" in links:  # node groups made (every node runs as many ranks: Topology.multi_node)
             _measure_node_busy_latency(job, step, steps, links)
     if sleeps:
-        _round(spin)
-        links["horovod"] = _flat_link(hjob, "horovod", kinds=("allreduce",))
+        spread.round()
+        links["horovod"] = _flat_link(hjob, "horovod")
     # Horovod's own float16 allreduce (its fp16 compression), whose sum on a CPU is scalar code
-    _round(spin)
-    links["horovod_fp16"] = _flat_link(hjob, "horovod.fp16", kinds=(), dtype=torch.float16)
-    if spin is not None:
-        _round(spin)
-        links["horovod"]["busy_lat_by_kind"] = {"allreduce": spin.seconds()}
+    spread.round()
+    links["horovod_fp16"] = _flat_link(hjob, "horovod.fp16", dtype=torch.float16)
+    spread.round()
+    _put_spread(links, spread.medians())
     return out
+
+
+def _put_spread(links: Dict[str, Any], medians: Dict[str, float]) -> None:
+    """The spread probes' figures into the file's links: ``flat.lat_by_kind``, and where timed
+    ``horovod.lat_by_kind`` and ``horovod.busy_lat_by_kind`` (its allreduce)."""
+    links["flat"]["lat_by_kind"] = {k: medians[f"flat.{k}"] for k in calibration.COLLECTIVES}
+    if "horovod.allreduce" in medians:
+        links["horovod"]["lat_by_kind"] = {"allreduce": medians["horovod.allreduce"]}
+    if "horovod.busy" in medians:
+        links["horovod"]["busy_lat_by_kind"] = {"allreduce": medians["horovod.busy"]}
 
 
 def measure_to_file(path: str, methods: Sequence[str] = (), **kw) -> Dict[str, Any]:
