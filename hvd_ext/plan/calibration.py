@@ -7,10 +7,10 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
 * **the flat link** -- a small and a large allreduce over all ranks (the fastest of a few tries; the
   large one of gradient-like values, :func:`gradient_like`),
   fitted to ``lat + wire / bandwidth``, as ``auto``'s own probe does; and the fixed cost of each
-  kind of collective the routes use, the median of its tries (a small allreduce, allgather and
-  alltoall: under a launcher whose alltoall is slow, the two-phase routes pay it on every bucket),
-  tried in rounds spread over the whole calibration (a collective's waits come in bursts:
-  :class:`_SpreadTries`);
+  kind of collective the routes use (a small allreduce, allgather and alltoall: under a launcher
+  whose alltoall is slow, the two-phase routes pay it on every bucket), tried in rounds spread over
+  the whole calibration, as a run of steps pays it (:func:`typical`; a collective's waits come in
+  bursts: :class:`_SpreadTries`);
 * **the node links** -- with several nodes of several ranks, the intra- and inter-node probes of
   :func:`hvd_ext.exchange.probe.measure_node_model`; on one node the intra link is the flat one;
 * **codec speed** -- every listed spec (and ``auto``'s candidates) compresses and decodes a small
@@ -156,6 +156,13 @@ def _tries(run: Callable[[], Any], reps: int, before: Optional[Callable[[], Any]
     return out
 
 
+def typical(rounds: Sequence[Sequence[float]]) -> float:
+    """A collective's typical seconds in a run of steps, from rounds of tries: the median over the
+    rounds of each round's mean try. A run of steps pays every try, its slow tail too (the mean), and
+    a burst that holds one round does not decide the figure (the median over rounds)."""
+    return statistics.median(statistics.fmean(r) for r in rounds)
+
+
 def _flat_link(job: _Job, tag: str, dtype: torch.dtype = torch.float32) -> Dict[str, float]:
     """A small float32 allreduce and a large one of ``dtype`` over all ranks, the fastest of a few
     tries each (the link itself), fitted to ``lat + wire / bandwidth``. The large allreduce sums
@@ -218,16 +225,15 @@ def _measure_busy_latency(job: _Job, step: Callable[[], Any], steps: int, tag: s
                           kinds: Sequence[str] = calibration.COLLECTIVES,
                           agree: Optional[_Job] = None, rounds: int = BUSY_ROUNDS) -> Dict[str, float]:
     """Each kind of collective's seconds right after a ``step`` on every rank (the mean over all
-    ranks, ``agree``'s, of the median over ``rounds`` x ``steps`` tries, the kinds in turns): the fixed
-    cost a collective has inside a training step. Where ranks share cores the tries are heavy-tailed
-    (a rank waits off its core), and the median of one short run moves from run to run: the tries
-    are taken in rounds and pooled."""
+    ranks, ``agree``'s, of :func:`typical` of ``rounds`` rounds of ``steps`` tries, the kinds in
+    turns): the fixed cost a collective has inside a training step. Where ranks share cores the tries
+    are heavy-tailed (a rank waits off its core), and one short run moves from run to run."""
     run = job.small_collectives(tag)
-    times: Dict[str, List[float]] = {kind: [] for kind in kinds}
+    times: Dict[str, List[List[float]]] = {kind: [] for kind in kinds}
     for _ in range(rounds):
         for kind in kinds:
-            times[kind] += _tries(run[kind], steps, before=lambda: job.run_step(step))
-    return dict(zip(kinds, (agree or job).mean([statistics.median(times[k]) for k in kinds])))
+            times[kind].append(_tries(run[kind], steps, before=lambda: job.run_step(step)))
+    return dict(zip(kinds, (agree or job).mean([typical(times[k]) for k in kinds])))
 
 
 def spin_transport():
@@ -239,39 +245,39 @@ def spin_transport():
 
 class _SpreadTries:
     """Small collectives whose typical cost is wanted, tried in rounds spread over the whole
-    calibration (:meth:`round` between its other measurements), each probe's tries pooled over all
-    rounds and its median kept (the ranks' mean). A collective's fixed cost comes in bursts of a few
-    seconds several times the usual one (``benchmarks/inside_step_probe.py``: most of all a spinning
-    rank's, inside a step), and the tries of one short run can all fall into one burst. Each probe's
-    round starts with one untimed call, which lines the ranks up again (the work before differs per
-    rank)."""
+    calibration (:meth:`round` between its other measurements). A collective's cost comes in bursts
+    of a few seconds several times the usual one (``benchmarks/inside_step_probe.py``: most of all a
+    spinning rank's, inside a step), and the tries of one short run can all fall into one burst; a
+    step's time is an average, which pays the tail that comes every round. So a probe's figure is
+    :func:`typical` of its rounds (the ranks' mean). Each probe's round starts with one untimed call,
+    which lines the ranks up again (the work before differs per rank)."""
 
     def __init__(self, job: _Job):
         """``job``: the one the ranks agree over."""
         self.job = job
         self.probes: Dict[str, tuple] = {}
-        self.tries: Dict[str, List[float]] = {}
+        self.rounds: Dict[str, List[List[float]]] = {}
 
     def add(self, name: str, run: Callable[[], Any], reps: int, before: Optional[Callable[[], Any]] = None) -> None:
         """A probe: ``reps`` tries of ``run`` a round (each after an untimed ``before()``, where given)."""
         self.probes[name] = (run, reps, before)
-        self.tries[name] = []
+        self.rounds[name] = []
 
     def round(self) -> None:
         """One round of every probe's tries."""
         for name, (run, reps, before) in self.probes.items():
             run()
-            self.tries[name] += _tries(run, reps, before)
+            self.rounds[name].append(_tries(run, reps, before))
 
-    def medians(self) -> Dict[str, float]:
-        """Each probe's figure: the ranks' mean of each rank's median try."""
+    def seconds(self) -> Dict[str, float]:
+        """Each probe's figure: the ranks' mean of :func:`typical` of its rounds."""
         names = list(self.probes)
-        return dict(zip(names, self.job.mean([statistics.median(self.tries[n]) for n in names])))
+        return dict(zip(names, self.job.mean([typical(self.rounds[n]) for n in names])))
 
 
 def _add_idle_probes(spread: _SpreadTries, job: _Job, hjob: Optional[_Job]) -> None:
     """The fixed cost of each kind of collective with the ranks together, as a bucket's later
-    collectives pay it (``lat_by_kind``), the median of its tries: a collective waits for the next
+    collectives pay it (``lat_by_kind``), :func:`typical` of its tries: a collective waits for the next
     cycle of Horovod's background thread, which the link's fastest try happened not to. With
     ``hjob``, Horovod's own allreduce so."""
     for kind, run in job.small_collectives("idle").items():
@@ -340,18 +346,18 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     spread.round()
     links["horovod_fp16"] = _flat_link(hjob, "horovod.fp16", dtype=torch.float16)
     spread.round()
-    _put_spread(links, spread.medians())
+    _put_spread(links, spread.seconds())
     return out
 
 
-def _put_spread(links: Dict[str, Any], medians: Dict[str, float]) -> None:
+def _put_spread(links: Dict[str, Any], figures: Dict[str, float]) -> None:
     """The spread probes' figures into the file's links: ``flat.lat_by_kind``, and where timed
     ``horovod.lat_by_kind`` and ``horovod.busy_lat_by_kind`` (its allreduce)."""
-    links["flat"]["lat_by_kind"] = {k: medians[f"flat.{k}"] for k in calibration.COLLECTIVES}
-    if "horovod.allreduce" in medians:
-        links["horovod"]["lat_by_kind"] = {"allreduce": medians["horovod.allreduce"]}
-    if "horovod.busy" in medians:
-        links["horovod"]["busy_lat_by_kind"] = {"allreduce": medians["horovod.busy"]}
+    links["flat"]["lat_by_kind"] = {k: figures[f"flat.{k}"] for k in calibration.COLLECTIVES}
+    if "horovod.allreduce" in figures:
+        links["horovod"]["lat_by_kind"] = {"allreduce": figures["horovod.allreduce"]}
+    if "horovod.busy" in figures:
+        links["horovod"]["busy_lat_by_kind"] = {"allreduce": figures["horovod.busy"]}
 
 
 def measure_to_file(path: str, methods: Sequence[str] = (), **kw) -> Dict[str, Any]:

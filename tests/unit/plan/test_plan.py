@@ -159,10 +159,10 @@ def test_collectives_timed_inside_a_step_replace_the_idle_ones():
     assert one == pytest.approx(0.03 - 1e-4, rel=1e-6)  # Horovod: one fused allreduce
 
 
-def test_a_collectives_cost_inside_a_step_is_the_median_of_its_tries_pooled_over_rounds(monkeypatch):
+def test_a_collectives_cost_inside_a_step_is_taken_in_rounds_the_kinds_in_turns(monkeypatch):
     """Tries inside a step are heavy-tailed where ranks share cores: a run of slow tries (a rank off its
     core) does not decide the figure when the kinds are tried in turns, round after round, and each
-    kind's tries are pooled."""
+    kind's figure is typical of its rounds."""
     import types
 
     from hvd_ext.plan import calibration as measure
@@ -222,8 +222,20 @@ def test_a_collectives_typical_cost_is_the_median_over_rounds_spread_in_time(mon
     for _ in range(6):
         spread.round()
     assert calls == (["idle"] * 4 + ["busy"] * 5) * 6 and len(steps) == 24
-    assert len(spread.tries["idle"]) == 18 and len(spread.tries["busy"]) == 24
-    assert spread.medians() == pytest.approx({"idle": 1.5 * 0.08, "busy": 1.5 * 0.08})  # a burst round alone: 0.3
+    assert [len(r) for r in spread.rounds["idle"]] == [3] * 6 and [len(r) for r in spread.rounds["busy"]] == [4] * 6
+    assert spread.seconds() == pytest.approx({"idle": 1.5 * 0.08, "busy": 1.5 * 0.08})  # a burst round alone: 0.3
+
+
+def test_a_collectives_typical_cost_pays_the_tail_of_every_round_not_a_burst_round():
+    """A run of steps pays every collective it waits for: a slow try that comes every round is part of
+    the typical cost (the round's mean, not the median try), a round inside a burst is not (the
+    median over rounds)."""
+    from hvd_ext.plan import calibration as measure
+
+    tail = [0.08, 0.08, 0.08, 0.4]  # every round: one try in four is slow
+    assert measure.typical([tail] * 5) == pytest.approx(0.16)  # the median try: 0.08
+    assert measure.typical([tail] * 3 + [[0.5] * 4] * 2) == pytest.approx(0.16)  # two burst rounds of five
+    assert measure.typical([[0.01] * 4, [0.5] * 4]) == pytest.approx(0.255)  # two rounds: their middle
 
 
 def test_a_later_collective_is_priced_at_its_typical_cost_the_link_at_its_fastest(monkeypatch):
@@ -259,12 +271,13 @@ def test_a_later_collective_is_priced_at_its_typical_cost_the_link_at_its_fastes
     monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     link = measure._flat_link(Job(), "probe")
     assert link["lat"] == pytest.approx(1e-3) and set(link) == {"lat", "bandwidth"}  # the fastest small allreduce
+    n.update(dict.fromkeys(n, 0))  # each round: the untimed call, then three at the kind's usual cost
     spread = measure._SpreadTries(Job())
     measure._add_idle_probes(spread, Job(), Job())
     for _ in range(2):
         spread.round()
     links = {"flat": dict(link), "horovod": {"lat": 1e-3, "bandwidth": 1e8}}
-    measure._put_spread(links, spread.medians())
+    measure._put_spread(links, spread.seconds())
     assert links["flat"]["lat_by_kind"] == pytest.approx({"allreduce": 3e-3, "allgather": 2e-3, "alltoall": 4e-3})
     assert list(links["horovod"]) == ["lat", "bandwidth", "lat_by_kind"]
     assert links["horovod"]["lat_by_kind"]["allreduce"] == pytest.approx(3e-3)
