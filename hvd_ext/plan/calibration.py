@@ -30,7 +30,8 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
 * **Horovod's own allreduce** -- only where hvd_ext waits otherwise than Horovod (ranks share cores:
   :mod:`hvd_ext.exchange.waiting`; on any rank, every rank measures): the flat allreduce again,
   waited for by Horovod's spinning ``synchronize``, for the planner's Horovod rows, and with a
-  ``step`` its cost inside a step, spread so; and always Horovod's float16
+  ``step`` its cost inside a step, both in rounds spread over the calibration (:class:`_SpreadTries`);
+  and always Horovod's float16
   allreduce, which its fp16 compression uses (on a CPU Horovod sums float16 element by element in
   scalar code, slower per byte than float32; hvd_ext sums half precision in float32 itself).
 
@@ -277,7 +278,7 @@ class _SpreadTries:
 
 def _add_idle_probes(spread: _SpreadTries, job: _Job, hjob: Optional[_Job]) -> None:
     """The fixed cost of each kind of collective with the ranks together, as a bucket's later
-    collectives pay it (``lat_by_kind``), :func:`typical` of its tries: a collective waits for the next
+    collectives pay it (``lat_by_kind``), :func:`typical` of its rounds: a collective waits for the next
     cycle of Horovod's background thread, which the link's fastest try happened not to. With
     ``hjob``, Horovod's own allreduce so."""
     for kind, run in job.small_collectives("idle").items():
@@ -294,6 +295,20 @@ def _measure_node_busy_latency(job: _Job, step: Callable[[], Any], steps: int, l
                                                                steps, "intra.busy", ("alltoall",), agree=job)
 
 
+def _agree(job: _Job, sleeps: bool, shape: Sequence[float]) -> bool:
+    """Whether hvd_ext waits by sleeping on any rank (ranks share cores: then every rank also times
+    Horovod's own allreduce, which spins), in one allreduce that also checks that every rank
+    calibrates alike (``shape``: whether a step is timed, its steps a round, the codecs timed); else
+    every rank raises, where their rounds would run different collectives and hang."""
+    shape = [float(v) for v in shape]
+    got = job.mean([1.0 if sleeps else 0.0, *shape, *(v * v for v in shape)])
+    mean, square = got[1:1 + len(shape)], got[1 + len(shape):]
+    if any(sq - m * m > 1e-9 * max(1.0, sq) for m, sq in zip(mean, square)):  # the ranks' values differ
+        raise ValueError("hvd_ext.plan --measure: the ranks calibrate differently (a model step given or not, "
+                         "--steps, the methods); give every rank the same arguments")
+    return got[0] > 0
+
+
 def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
             step: Optional[Callable[[], Any]] = None, steps: int = 10) -> Dict[str, Any]:
     """The calibration of this job's world (collective over Horovod's global set, through
@@ -306,19 +321,17 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
         hvd.init()
     device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
     job = _Job(Exchange(), device)
+    # each codec once, under the key a job and the planner look it up by (Compressor.codec_spec)
+    specs = [s for s in dict.fromkeys(compression_from_spec(m).codec_spec() for m in [*methods, *DEFAULT_CANDIDATES])
+             if s != "none"]
+    sleeps = _agree(job, getattr(job.top, "sleeps", False), (step is not None, steps, len(specs)))
     links, nodes, local = _measure_links(job)
-    # hvd_ext waits otherwise than Horovod on some rank (ranks share cores): time Horovod's own allreduce too,
-    # on every rank (each rank's wait mode is its own)
-    sleeps = job.mean([1.0 if getattr(job.top, "sleeps", False) else 0.0])[0] > 0
     hjob = _Job(job.ex, device, spin_transport()) if sleeps else job
     spread = _SpreadTries(job)
     _add_idle_probes(spread, job, hjob if sleeps else None)
     if sleeps and step is not None:  # Horovod's spinning wait inside a step
         spread.add("horovod.busy", hjob.small_collectives("horovod.busy")["allreduce"], steps,
                    before=lambda: hjob.run_step(step))
-    # each codec once, under the key a job and the planner look it up by (Compressor.codec_spec)
-    specs = [s for s in dict.fromkeys(compression_from_spec(m).codec_spec() for m in [*methods, *DEFAULT_CANDIDATES])
-             if s != "none"]
     fits: List[float] = []
     for s in specs:
         spread.round()
