@@ -35,7 +35,8 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
   allreduce, which its fp16 compression uses (on a CPU Horovod sums float16 element by element in
   scalar code, slower per byte than float32; hvd_ext sums half precision in float32 itself).
 
-Every rank runs the same collectives in the same order; rank 0 writes the file.
+Every rank runs the same collectives in the same order (its first allreduce checks that every rank was
+given the same step, steps and methods, :func:`_agree`); rank 0 writes the file.
 """
 from __future__ import annotations
 
