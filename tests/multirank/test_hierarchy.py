@@ -87,8 +87,10 @@ def test_testbed_2x2_measured_links_choose_the_route():
     print("measured node links:", links[0])
     assert all({k: x[k] for k in ("intra", "inter")} == {k: links[0][k] for k in ("intra", "inter")}
                for x in links), links
-    # the shaping is this test's (--inter 300mbit): checked here, on rank 0's links (the same on every rank)
-    assert 0.4 * 37.5 <= links[0]["inter"]["MB_per_s"] <= 1.5 * 37.5, links[0]
+    # the shaping is this test's (--inter 300mbit): checked here, on rank 0's links (the same on every rank).
+    # The shaper's 256 KB bucket lets a probe's first 256 KB through at once, so the probe can read above the
+    # rate (57.3 MB/s once); the unshaped link read 552 MB/s
+    assert 0.4 * 37.5 <= links[0]["inter"]["MB_per_s"] <= 2.0 * 37.5, links[0]
     for r in res:  # both optimizers and the links were checked on every rank
         for sec in ("links: ", "qsgd:bits=8: ", "topk:ratio=0.01: "):
             assert any(n.startswith(sec) for n in r["checks"]), sec
