@@ -57,7 +57,9 @@ class Cluster(Network):
     fixed seconds and how many times slower it moves bytes than the flat link (:func:`horovod_view`);
     ``horovod_fp16_slowdown``: how many times slower per byte Horovod's float16 allreduce is than its
     float32 one (measured); ``codec_compiled``: on a CPU, the elements per second of a codec call of
-    ``compile_min`` elements or more, which runs compiled (``codec``: the smaller, eager ones)."""
+    ``compile_min`` elements or more, which runs compiled (``codec``: the smaller, eager ones);
+    ``route_fixed``: per codec, its routes' host work beside the passes (measured in this world,
+    :mod:`hvd_ext.plan.route_host`)."""
 
     codec: Dict[str, float] = field(default_factory=dict)
     codec_on_compute: bool = False
@@ -67,6 +69,7 @@ class Cluster(Network):
     horovod_fp16_slowdown: float = 1.0
     codec_compiled: Dict[str, float] = field(default_factory=dict)  # elements/s of a call of compile_min or more
     compile_min: Optional[int] = None
+    route_fixed: Dict[str, Dict[str, List[float]]] = field(default_factory=dict)  # per codec: CodecTiming's
 
 
 def buckets_of(shapes: Sequence[tuple], bucket_bytes: int, first_bytes: Optional[int]) -> List[List[tuple]]:
@@ -103,7 +106,7 @@ def codec_timing(spec: str, cluster: Cluster) -> CodecTiming:
         raise ValueError(f"plan: no codec speed for {spec!r}; give one (--measure, or the table in "
                          "hvd_ext.plan.presets)")
     return CodecTiming(speed, lookup(cluster.codec_fixed, spec, 0.0), lookup(cluster.codec_compiled, spec),
-                       cluster.compile_min)
+                       cluster.compile_min, lookup(cluster.route_fixed, spec))
 
 
 def codec_seconds(spec: str, numel: int, cluster: Cluster) -> float:
@@ -267,11 +270,13 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
             continue
         payload = payload_bytes(comp, shapes, route, parts, c.local)
         # one pass over the bucket: its calls each at its own size (codec_calls)
-        enc = dec = pass_seconds(comp, shapes, route, parts, c.local, codec_timing(spec, c))
+        timing = codec_timing(spec, c)
+        enc = dec = pass_seconds(comp, shapes, route, parts, c.local, timing)
         later = later_round_bytes(comp, shapes) if route == "allreduce" else 0.0
         # the device decides who sums a half-precision bucket (a CPU: where the codec runs on the compute core)
         costs.append(route_cost(comp, route, shapes, payload, enc, dec, c, "cpu" if c.codec_on_compute else "cuda",
-                                later=later, fuse=str(comp.wire_dtype or torch.float32)))
+                                later=later, fuse=str(comp.wire_dtype or torch.float32),
+                                host=timing.route_seconds(route, shapes)))
         seen[key] = costs[-1]
     return costs
 

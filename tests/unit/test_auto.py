@@ -598,6 +598,33 @@ def test_calibration_file_gives_auto_its_link(tmp_path, monkeypatch):
         assert set(r.pipeline.auto.report()["choice"]) != {"none"}
 
 
+def test_auto_prices_a_routes_host_work_as_the_calibration_file_timed_it(tmp_path, monkeypatch):
+    """A candidate's route costs its host work beside the codec's passes where the calibration file
+    timed this world (``route_fixed_s``, as the planner adds it); in another world, nothing."""
+    import json
+
+    from hvd_ext.exchange import calibration
+    from hvd_ext.exchange.bucket_cost import Network
+
+    c = hvd_ext.compression_from_spec("topk:ratio=0.01")
+    shapes = [(64, 100), (100,)]
+    path = tmp_path / "calib.json"
+    path.write_text(json.dumps({"version": 1, "ranks": 2, "nodes": 1, "local": 2, "codec": {"topk": 1e8},
+                                "route_fixed_s": {"topk": {"sparse_rs": [2e-3, 1e-4, 1e-8]}}}))
+    monkeypatch.setattr(calibration, "_CACHE", {})
+
+    def priced(size, route):
+        tuner = type("T", (), {"pipe": type("P", (), {"size": size, "step": 10})(),
+                               "network": Network.one_link(size, 1e-4, 1e8)})()
+        return AutoTuner.predict(tuner, c, route, shapes, 1e3, 1e-4, 1e-4, "cpu")
+
+    before = {(n, r): priced(n, r) for n in (2, 4) for r in ("sparse_rs", "allgather")}
+    monkeypatch.setenv(calibration.ENV, str(path))
+    assert priced(2, "sparse_rs") - before[2, "sparse_rs"] == pytest.approx(2e-3 + 2 * 1e-4 + 6500 * 1e-8)
+    assert priced(2, "allgather") == before[2, "allgather"]  # a route the file did not time
+    assert priced(4, "sparse_rs") == before[4, "sparse_rs"]  # another world
+
+
 def test_a_codecs_allreduce_rounds_are_priced(monkeypatch):
     """auto prices each allreduce round as a collective, as the planner does: PowerSGD's bucket with a
     matrix takes two rounds (P, then Q), a dense candidate one; one round's latency each."""

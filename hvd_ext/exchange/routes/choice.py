@@ -125,13 +125,14 @@ def route_options(comp: Compressor, mode: str, shapes: Union[int, Sequence[int],
     kind = torch.device(device).type if device is not None else "cpu"
     if net.nodes > 1 and kind == "cuda":
         net.allreduce_tree = True   # Horovod's allreduce of GPU tensors: NCCL's trees (as node_links sets)
-    timing = job_codec_timing(comp, cal, codec, device)
+    timing = job_codec_timing(comp, cal, codec, device, size)
     times = {}
     for r in bucket_routes(comp, size, links is not None, mode):
         parts = net.nodes if r.startswith(NODE_PREFIX) else size
         passes = pass_seconds(comp, shapes, r, parts, net.local, timing)
         payload = payload_bytes(comp, shapes, r, parts, net.local)
-        times[r] = route_cost(comp, r, shapes, payload, passes, passes, net, kind).seconds
+        times[r] = route_cost(comp, r, shapes, payload, passes, passes, net, kind,
+                              host=timing.route_seconds(r, shapes)).seconds
     best_flat = fastest_route({r: times[r] for r in flat})
     if links is None:
         return {"flat": best_flat, "flat_s": float(times[best_flat]), "node": None, "node_s": None}
@@ -141,15 +142,16 @@ def route_options(comp: Compressor, mode: str, shapes: Union[int, Sequence[int],
 
 
 def job_codec_timing(comp: Compressor, cal: Optional[Dict[str, Any]], codec: Optional[float],
-                     device=None) -> calibration.CodecTiming:
-    """How a job prices ``comp``'s codec calls before it has run them: at ``codec`` elements/s where
-    given, else as the calibration file timed the codec (:func:`hvd_ext.exchange.calibration.codec_timing`
-    under its spec, its own spec, its family, as the planner looks it up), else at its family's speed
-    on ``device`` (:func:`hvd_ext.exchange.codec_speed.pass_speed`, the planner's default too; the
-    same on every rank). A link's own ``codec`` figure is not used."""
+                     device=None, ranks: Optional[int] = None) -> calibration.CodecTiming:
+    """How a job of ``ranks`` prices ``comp``'s codec calls before it has run them: at ``codec`` elements/s
+    where given, else as the calibration file timed the codec (:func:`hvd_ext.exchange.calibration.codec_timing`
+    under its spec, its own spec, its family, as the planner looks it up; its routes' host work where
+    the file timed this world), else at its family's speed on ``device``
+    (:func:`hvd_ext.exchange.codec_speed.pass_speed`, the planner's default too; the same on every
+    rank). A link's own ``codec`` figure is not used."""
     if codec:
         return calibration.CodecTiming(codec)
-    timed = calibration.codec_timing(cal, comp.spec(), comp.codec_spec(), comp.name) if cal else None
+    timed = calibration.codec_timing(cal, comp.spec(), comp.codec_spec(), comp.name, ranks=ranks) if cal else None
     if timed is not None:
         return timed
     return calibration.CodecTiming(codec_speed.pass_speed(comp.name, device))

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from hvd_ext.exchange import calibration
 from hvd_ext.exchange.cost import LinkModel
+from hvd_ext.pipeline import FIRST_BUCKET_BYTES
 from hvd_ext.plan import PAYS, auto_row, plan, tensor_shapes
+from hvd_ext.plan.model import buckets_of
 from hvd_ext.plan.presets import CLUSTERS, GBIT, MODELS
 
 
@@ -137,6 +139,63 @@ def test_calibration_file_feeds_plan_and_auto(tmp_path, monkeypatch):
     assert calibration.flat_link(calibration.from_env(), 4) == {"lat": 2e-4, "bandwidth": 3e7}
     assert calibration.flat_link(calibration.from_env(), 8) is None  # another world size: probe instead
     assert calibration.node_model(loaded) is None  # one node: no inter link
+
+
+ROUTE_HOST_CAL = {"version": 1, "ranks": 4, "nodes": 1, "local": 4, "device": "cpu", "compute_s": 0.02,
+                  "links": {"flat": {"lat": 1e-4, "bandwidth": 1e8}, "intra": {"alpha": 3e-5, "bandwidth": 1e8}},
+                  "codec": {"topk": 2e8}, "codec_fixed_s": {"topk": 1e-4}}
+
+
+def test_a_routes_measured_host_work_is_added_to_each_bucket_in_the_calibrated_world_only():
+    """``route_fixed_s`` (a bucket's host work beside its codec's passes, per bucket, tensor and
+    element) adds to each bucket's codec seconds on that route, so to the step on a CPU, where the
+    file timed this world; in another world, or on a route it did not time, nothing."""
+    shapes = [(640,), (128,), (128, 384), (128,), (128, 384), (128,), (256, 640), (256,)]  # two buckets
+    spec = "topk:ratio=0.01,exchange=twophase"
+    host = [2e-3, 1e-4, 5e-9]
+    timed = {**ROUTE_HOST_CAL, "route_fixed_s": {"topk": {"sparse_rs": host, "allgather": [1.0, 0.0, 0.0]}}}
+    kw = dict(compute_s=0.02, cluster=None, methods=[spec], breakeven_search=False)
+    rows = {}
+    for name, cal, nodes, local in (("without", ROUTE_HOST_CAL, 1, 4), ("with", timed, 1, 4),
+                                    ("other world", timed, 2, 2)):
+        p = plan(shapes, calibration=cal, nodes=nodes, gpus_per_node=local, **kw)
+        rows[name] = p.row(spec, "sparse_rs")
+    without, got = rows["without"], rows["with"]
+    layout = buckets_of(shapes, 25 * 1024 * 1024, FIRST_BUCKET_BYTES)
+    expect = [host[0] + host[1] * len(b) + host[2] * sum(math.prod(s) for s in b) for b in layout]
+    assert len(layout) == len(got.buckets) == 2
+    assert [g.code - w.code for g, w in zip(got.buckets, without.buckets)] == pytest.approx(expect, rel=1e-9)
+    assert got.exchange_s - without.exchange_s == pytest.approx(sum(expect), rel=1e-9)
+    # on a CPU the codec's core computes: the step grows by the host work, less what the link hid
+    assert max(expect) <= got.step_s - without.step_s <= sum(expect) + 1e-12
+    other = plan(shapes, calibration=ROUTE_HOST_CAL, nodes=2, gpus_per_node=2, **kw).row(spec, "sparse_rs")
+    assert rows["other world"].step_s == pytest.approx(other.step_s, rel=1e-12)
+    # the codec's timing: a node-aware route takes its inner route's figure; an untimed route none
+    t = calibration.codec_timing(timed, "topk", ranks=4)
+    assert t.route_seconds("node:sparse_rs", [(10, 10)]) == t.route_seconds("sparse_rs", [(100,)]) == \
+        pytest.approx(host[0] + host[1] + 100 * host[2])
+    assert t.route_seconds("twophase", [(100,)]) == 0.0
+    assert calibration.codec_timing(timed, "topk", ranks=8).route_seconds("sparse_rs", [(100,)]) == 0.0
+
+
+def test_a_routes_measured_host_work_moves_a_jobs_route_choice(tmp_path, monkeypatch):
+    """The job's route choice prices with the calibration's route host work as the planner does: a
+    sparse reduce-scatter the file found costly on the host loses to the allgather, in the file's
+    world only."""
+    from hvd_ext.exchange.routes import route_options
+    from hvd_ext.spec import compression_from_spec
+
+    comp = compression_from_spec("topk:ratio=0.01")
+    shapes = [(4096, 256)]
+    link = LinkModel(alpha=1e-4, bandwidth=1e7)
+    monkeypatch.setattr(calibration, "_CACHE", {})
+    monkeypatch.setenv(calibration.ENV, write(tmp_path, ROUTE_HOST_CAL, "plain.json"))
+    assert route_options(comp, "auto", shapes, 4, link=link)["flat"] == "sparse_rs"
+    costly = {**ROUTE_HOST_CAL, "route_fixed_s": {"topk": {"sparse_rs": [1.0, 0.0, 0.0]}}}
+    monkeypatch.setenv(calibration.ENV, write(tmp_path, costly, "costly.json"))
+    opts = route_options(comp, "auto", shapes, 4, link=link)
+    assert opts["flat"] == "allgather"
+    assert route_options(comp, "auto", shapes, 8, link=link)["flat"] == "sparse_rs"  # another world
 
 
 def test_collectives_timed_inside_a_step_replace_the_idle_ones():
@@ -406,6 +465,9 @@ def test_horovods_own_allreduce_prices_only_horovods_rows():
     ({"version": 1, "codec_compiled": {"qsgd": 1e9}}, "codec_compiled needs compile_min"),
     ({"version": 1, "codec_compiled": {"qsgd": 0}, "compile_min": 10}, "codec_compiled speed of 'qsgd'"),
     ({"version": 2}, "version must be 1"),
+    ({"version": 1, "route_fixed_s": {"topk": {"sparse_rs": [1e-3, 0.0]}}}, r"route_fixed_s.topk.sparse_rs must be"),
+    ({"version": 1, "route_fixed_s": {"topk": {"sparse_rs": [1e-3, -1.0, 0.0]}}}, "per tensor, per element"),
+    ({"version": 1, "route_fixed_s": {"topk": [1e-3]}}, "route_fixed_s.topk must be an object"),
     ({"version": 1, "links": {"inter": {"alpha": 1e-5}}}, "links.inter needs alpha and bandwidth"),
     ({"version": 1, "codec": {"topk": 0}}, "codec speed of 'topk'"),
     ({"version": 1, "links": {"flat": {"lat": 1e-4, "bandwidth": 1e8, "lat_by_kind": {"bcast": 1e-4}}}},
@@ -432,7 +494,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                     max_leaves=8)
 KEYS = ["ranks", "nodes", "local", "device", "compute_s", "links", "codec", "codec_fixed_s", "codec_compiled",
         "compile_min", "links.flat", "links.intra", "links.inter", "links.horovod", "links.horovod_fp16",
-        "links.flat.lat_by_kind", "links.flat.busy_lat_by_kind", "links.flat.bandwidth"]
+        "links.flat.lat_by_kind", "links.flat.busy_lat_by_kind", "links.flat.bandwidth", "route_fixed_s",
+        "route_fixed_s.topk", "route_fixed_s.topk.sparse_rs"]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
