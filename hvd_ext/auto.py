@@ -518,12 +518,13 @@ class AutoTuner(Policy):
         """Candidate ``c``'s exchange seconds on route ``kind`` for a bucket of ``shapes`` over
         :attr:`network`, priced as the planner prices it (:func:`hvd_ext.exchange.routes.route_cost`):
         its collectives one after another, the bytes on the busiest link, the codec passes and, where
-        the calibration file timed this world, the route's host work beside them."""
+        the calibration file timed this world, what the route costs beyond them."""
         net = self.network or self.probe_network()
         timed = calibration.codec_timing(calibration.from_env(), c.spec(), c.codec_spec(), c.name,
                                          ranks=self.pipe.size)
-        host = timed.route_seconds(kind, shapes) if timed is not None else 0.0
-        return route_cost(c, kind, shapes, payload, enc, dec, net, device_type, self.pipe.step, host=host).seconds
+        extra = timed.overhead_seconds(kind, shapes) if timed is not None else 0.0
+        return route_cost(c, kind, shapes, payload, enc, dec, net, device_type, self.pipe.step,
+                          overhead=extra).seconds
 
     def probe_network(self) -> Network:
         """One flat link: the probe's (or the calibration's) latency and bandwidth, each collective's

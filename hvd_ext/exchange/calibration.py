@@ -18,8 +18,8 @@ Format (JSON)::
      "codec_fixed_s": {"<spec>": seconds one pass costs whatever its size, ...},
      "codec_compiled": {"<spec>": elements per second of a call of compile_min elements or more},  # optional:
      "compile_min": elements,  # a CPU, where calls of compile_min elements or more run compiled
-     "route_fixed_s": {"<spec>": {"<route>": [s per bucket, per tensor, per element]}},  # optional: host
-                       # work of a bucket on a flat route beside its codec passes, in this world (plan.route_host)
+     "route_overhead_s": {"<spec>": {"<route>": [s per bucket, per tensor, per element]}},  # optional: what
+                       # a bucket on a flat route costs beyond the model's terms, in this world (plan.route_overhead)
      "compute_s": optional seconds of one step's forward + backward}
 
 Set ``HVD_EXT_CALIBRATION=path`` for a job: ``auto`` then takes the flat link and each collective's
@@ -97,11 +97,11 @@ def _check_links(path: str, links: Dict[str, Any]) -> None:
                 raise CalibrationError(path, f"links.{name}.{key} maps {', '.join(COLLECTIVES)} to seconds >= 0")
 
 
-def _check_route_fixed(path: str, table: Dict[str, Any]) -> None:
+def _check_route_overhead(path: str, table: Dict[str, Any]) -> None:
     for spec, routes in table.items():
-        for route, v in _object(path, routes, f"route_fixed_s.{spec}").items():
+        for route, v in _object(path, routes, f"route_overhead_s.{spec}").items():
             if not (isinstance(v, list) and len(v) == 3 and all(_number(x) for x in v)):
-                raise CalibrationError(path, f"route_fixed_s.{spec}.{route} must be [seconds per bucket, per "
+                raise CalibrationError(path, f"route_overhead_s.{spec}.{route} must be [seconds per bucket, per "
                                              f"tensor, per element], numbers >= 0, got {v!r}")
 
 
@@ -124,7 +124,7 @@ def load(path: str) -> Dict[str, Any]:
             if not _number(v, strict=strict):
                 raise CalibrationError(path, f"{what} of {spec!r} must be a number {'>' if strict else '>='} 0, "
                                              f"got {v!r}")
-    _check_route_fixed(path, _object(path, cal.get("route_fixed_s", {}), "route_fixed_s"))
+    _check_route_overhead(path, _object(path, cal.get("route_overhead_s", {}), "route_overhead_s"))
     if "codec_compiled" in cal and (isinstance(cal.get("compile_min"), bool) or
                                     not isinstance(cal.get("compile_min"), int) or cal["compile_min"] < 1):
         raise CalibrationError(path, "codec_compiled needs compile_min, the elements from which a call runs "
@@ -227,19 +227,20 @@ class CodecTiming:
     """One codec's encode or decode call as timed on a device: ``speed`` elements per second,
     ``fixed`` seconds whatever the size, and ``compiled`` elements per second of a call of
     ``compile_min`` elements or more (on a CPU, where those run compiled; None: not timed);
-    ``route_fixed``: per flat route, a bucket's host work beside the codec's passes, ``[seconds per
-    bucket, per tensor, per element]`` (:mod:`hvd_ext.plan.route_host`; measured in one world)."""
+    ``route_overhead``: per flat route, what a bucket costs beyond the model's terms (host work beside
+    the codec's passes, the waits it causes), ``[seconds per bucket, per tensor, per element]``
+    (:mod:`hvd_ext.plan.route_overhead`; measured in one world)."""
 
     speed: float
     fixed: float = 0.0
     compiled: Optional[float] = None
     compile_min: Optional[int] = None
-    route_fixed: Optional[Dict[str, Sequence[float]]] = None
+    route_overhead: Optional[Dict[str, Sequence[float]]] = None
 
-    def route_seconds(self, route: str, shapes: Sequence[Sequence[int]]) -> float:
-        """Host seconds of a bucket of tensors of ``shapes`` on ``route`` beside the codec's passes (a
+    def overhead_seconds(self, route: str, shapes: Sequence[Sequence[int]]) -> float:
+        """Seconds a bucket of tensors of ``shapes`` costs on ``route`` beyond the model's terms (a
         node-aware route: its inner route's); none where not measured."""
-        fixed = (self.route_fixed or {}).get(route[route.find(":") + 1:])
+        fixed = (self.route_overhead or {}).get(route[route.find(":") + 1:])
         if not fixed:
             return 0.0
         return fixed[0] + fixed[1] * len(shapes) + fixed[2] * sum(math.prod(s) for s in shapes)
@@ -255,7 +256,7 @@ class CodecTiming:
 def codec_timing(cal: Optional[Dict[str, Any]], *keys: str, ranks: Optional[int] = None) -> Optional[CodecTiming]:
     """The file's timing of a codec, each figure under the first of ``keys`` (a spec, the codec's own
     spec, its family) it is listed by, as the planner looks them up; None where no speed is listed;
-    its routes' host work only where the file measured a world of ``ranks``. A job's route choice
+    its routes' overhead only where the file measured a world of ``ranks``. A job's route choice
     prices a codec call with it."""
     def first(table: str):
         entries = (cal or {}).get(table, {})
@@ -267,7 +268,7 @@ def codec_timing(cal: Optional[Dict[str, Any]], *keys: str, ranks: Optional[int]
     compiled = first("codec_compiled")
     return CodecTiming(float(speed), float(first("codec_fixed_s") or 0.0), float(compiled) if compiled else None,
                        cal.get("compile_min") if compiled else None,
-                       first("route_fixed_s") if ranks is not None and timed_here(cal, ranks) else None)
+                       first("route_overhead_s") if ranks is not None and timed_here(cal, ranks) else None)
 
 
 def node_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optional[int] = None,

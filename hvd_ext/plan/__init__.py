@@ -231,7 +231,7 @@ def make_cluster(cluster: Union[str, presets.Cluster, None], nodes: int, gpus_pe
     return Cluster(nodes, local, intra, inter, codec=codec, codec_on_compute=device == "cpu",
                    allreduce_tree=device != "cpu",
                    codec_fixed=fixed,
-                   route_fixed=dict((calibration or {}).get("route_fixed_s", {})) if same_world else {},
+                   route_overhead=dict((calibration or {}).get("route_overhead_s", {})) if same_world else {},
                    codec_compiled=compiled, compile_min=(calibration or {}).get("compile_min") if compiled else None,
                    collective_lat=lat, idle_lat=idle,
                    horovod_lat=hv_lat,

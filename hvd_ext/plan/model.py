@@ -58,8 +58,8 @@ class Cluster(Network):
     ``horovod_fp16_slowdown``: how many times slower per byte Horovod's float16 allreduce is than its
     float32 one (measured); ``codec_compiled``: on a CPU, the elements per second of a codec call of
     ``compile_min`` elements or more, which runs compiled (``codec``: the smaller, eager ones);
-    ``route_fixed``: per codec, its routes' host work beside the passes (measured in this world,
-    :mod:`hvd_ext.plan.route_host`)."""
+    ``route_overhead``: per codec, what its routes cost beyond the model's terms (measured in this
+    world, :mod:`hvd_ext.plan.route_overhead`)."""
 
     codec: Dict[str, float] = field(default_factory=dict)
     codec_on_compute: bool = False
@@ -69,7 +69,7 @@ class Cluster(Network):
     horovod_fp16_slowdown: float = 1.0
     codec_compiled: Dict[str, float] = field(default_factory=dict)  # elements/s of a call of compile_min or more
     compile_min: Optional[int] = None
-    route_fixed: Dict[str, Dict[str, List[float]]] = field(default_factory=dict)  # per codec: CodecTiming's
+    route_overhead: Dict[str, Dict[str, List[float]]] = field(default_factory=dict)  # per codec: CodecTiming's
 
 
 def buckets_of(shapes: Sequence[tuple], bucket_bytes: int, first_bytes: Optional[int]) -> List[List[tuple]]:
@@ -106,7 +106,7 @@ def codec_timing(spec: str, cluster: Cluster) -> CodecTiming:
         raise ValueError(f"plan: no codec speed for {spec!r}; give one (--measure, or the table in "
                          "hvd_ext.plan.presets)")
     return CodecTiming(speed, lookup(cluster.codec_fixed, spec, 0.0), lookup(cluster.codec_compiled, spec),
-                       cluster.compile_min, lookup(cluster.route_fixed, spec))
+                       cluster.compile_min, lookup(cluster.route_overhead, spec))
 
 
 def codec_seconds(spec: str, numel: int, cluster: Cluster) -> float:
@@ -276,7 +276,7 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
         # the device decides who sums a half-precision bucket (a CPU: where the codec runs on the compute core)
         costs.append(route_cost(comp, route, shapes, payload, enc, dec, c, "cpu" if c.codec_on_compute else "cuda",
                                 later=later, fuse=str(comp.wire_dtype or torch.float32),
-                                host=timing.route_seconds(route, shapes)))
+                                overhead=timing.overhead_seconds(route, shapes)))
         seen[key] = costs[-1]
     return costs
 

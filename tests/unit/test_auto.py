@@ -598,9 +598,9 @@ def test_calibration_file_gives_auto_its_link(tmp_path, monkeypatch):
         assert set(r.pipeline.auto.report()["choice"]) != {"none"}
 
 
-def test_auto_prices_a_routes_host_work_as_the_calibration_file_timed_it(tmp_path, monkeypatch):
-    """A candidate's route costs its host work beside the codec's passes where the calibration file
-    timed this world (``route_fixed_s``, as the planner adds it); in another world, nothing."""
+def test_auto_prices_a_routes_overhead_as_the_calibration_file_timed_it(tmp_path, monkeypatch):
+    """A candidate's route costs its overhead beyond the model's terms where the calibration file
+    timed this world (``route_overhead_s``, as the planner adds it); in another world, nothing."""
     import json
 
     from hvd_ext.exchange import calibration
@@ -610,7 +610,7 @@ def test_auto_prices_a_routes_host_work_as_the_calibration_file_timed_it(tmp_pat
     shapes = [(64, 100), (100,)]
     path = tmp_path / "calib.json"
     path.write_text(json.dumps({"version": 1, "ranks": 2, "nodes": 1, "local": 2, "codec": {"topk": 1e8},
-                                "route_fixed_s": {"topk": {"sparse_rs": [2e-3, 1e-4, 1e-8]}}}))
+                                "route_overhead_s": {"topk": {"sparse_rs": [2e-3, 1e-4, 1e-8]}}}))
     monkeypatch.setattr(calibration, "_CACHE", {})
 
     def priced(size, route):

@@ -132,7 +132,7 @@ def route_options(comp: Compressor, mode: str, shapes: Union[int, Sequence[int],
         passes = pass_seconds(comp, shapes, r, parts, net.local, timing)
         payload = payload_bytes(comp, shapes, r, parts, net.local)
         times[r] = route_cost(comp, r, shapes, payload, passes, passes, net, kind,
-                              host=timing.route_seconds(r, shapes)).seconds
+                              overhead=timing.overhead_seconds(r, shapes)).seconds
     best_flat = fastest_route({r: times[r] for r in flat})
     if links is None:
         return {"flat": best_flat, "flat_s": float(times[best_flat]), "node": None, "node_s": None}
@@ -145,7 +145,7 @@ def job_codec_timing(comp: Compressor, cal: Optional[Dict[str, Any]], codec: Opt
                      device=None, ranks: Optional[int] = None) -> calibration.CodecTiming:
     """How a job of ``ranks`` prices ``comp``'s codec calls before it has run them: at ``codec`` elements/s
     where given, else as the calibration file timed the codec (:func:`hvd_ext.exchange.calibration.codec_timing`
-    under its spec, its own spec, its family, as the planner looks it up; its routes' host work where
+    under its spec, its own spec, its family, as the planner looks it up; its routes' overhead where
     the file timed this world), else at its family's speed on ``device``
     (:func:`hvd_ext.exchange.codec_speed.pass_speed`, the planner's default too; the same on every
     rank). A link's own ``codec`` figure is not used."""

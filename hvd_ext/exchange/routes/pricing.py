@@ -224,14 +224,14 @@ def sparse_payload(comp: Compressor, shapes: Sequence[tuple], route: str, parts:
 
 def route_cost(comp: Compressor, kind: str, shapes: Sequence[tuple], payload: float, enc: float, dec: float,
                net: Network, device_type: str, step: int = STEADY_STEP, later: float = 0.0,
-               fuse: Optional[str] = None, host: float = 0.0) -> BucketCost:
+               fuse: Optional[str] = None, overhead: float = 0.0) -> BucketCost:
     """A bucket of ``shapes`` coded by ``comp`` (``payload`` bytes per rank, ``enc`` / ``dec`` seconds
     per pass) on ``kind`` (a flat route, or ``node:<inner>``) over ``net``, as
     :mod:`hvd_ext.exchange.bucket_cost` prices it: the sparse reduce-scatter's pairs where they travel
     instead of the codec's payload (:func:`priced_as_pairs`), a flat route's collectives as
     :func:`flat_terms` lists them; ``later`` and ``fuse`` as
-    :func:`hvd_ext.exchange.bucket_cost.flat_cost` takes them (the planner's); ``host``: the route's
-    host work beside the codec's passes (:meth:`hvd_ext.exchange.calibration.CodecTiming.route_seconds`),
+    :func:`hvd_ext.exchange.bucket_cost.flat_cost` takes them (the planner's); ``overhead``: what the
+    route costs beyond these terms (:meth:`hvd_ext.exchange.calibration.CodecTiming.overhead_seconds`),
     added to the codec seconds. ``compression="auto"``, the fixed codecs' route choice
     (:func:`.choice.route_options`) and the planner price with it."""
     numels = [math.prod(s) for s in shapes]
@@ -244,7 +244,7 @@ def route_cost(comp: Compressor, kind: str, shapes: Sequence[tuple], payload: fl
     else:
         cost = flat_cost(kind, sum(numels), payload, enc, dec, net, later=later, fuse=fuse,
                          **flat_terms(comp, shapes, kind, net.size, device_type, step))
-    return dataclasses.replace(cost, code=cost.code + host) if host else cost
+    return dataclasses.replace(cost, code=cost.code + overhead) if overhead else cost
 
 
 def route_calls(comp: Compressor, numels: Sequence[int], route: str, parts: int) -> List[int]:

@@ -146,14 +146,14 @@ ROUTE_HOST_CAL = {"version": 1, "ranks": 4, "nodes": 1, "local": 4, "device": "c
                   "codec": {"topk": 2e8}, "codec_fixed_s": {"topk": 1e-4}}
 
 
-def test_a_routes_measured_host_work_is_added_to_each_bucket_in_the_calibrated_world_only():
-    """``route_fixed_s`` (a bucket's host work beside its codec's passes, per bucket, tensor and
+def test_a_routes_measured_overhead_is_added_to_each_bucket_in_the_calibrated_world_only():
+    """``route_overhead_s`` (what a bucket costs beyond the model's terms, per bucket, tensor and
     element) adds to each bucket's codec seconds on that route, so to the step on a CPU, where the
     file timed this world; in another world, or on a route it did not time, nothing."""
     shapes = [(640,), (128,), (128, 384), (128,), (128, 384), (128,), (256, 640), (256,)]  # two buckets
     spec = "topk:ratio=0.01,exchange=twophase"
     host = [2e-3, 1e-4, 5e-9]
-    timed = {**ROUTE_HOST_CAL, "route_fixed_s": {"topk": {"sparse_rs": host, "allgather": [1.0, 0.0, 0.0]}}}
+    timed = {**ROUTE_HOST_CAL, "route_overhead_s": {"topk": {"sparse_rs": host, "allgather": [1.0, 0.0, 0.0]}}}
     kw = dict(compute_s=0.02, cluster=None, methods=[spec], breakeven_search=False)
     rows = {}
     for name, cal, nodes, local in (("without", ROUTE_HOST_CAL, 1, 4), ("with", timed, 1, 4),
@@ -166,20 +166,20 @@ def test_a_routes_measured_host_work_is_added_to_each_bucket_in_the_calibrated_w
     assert len(layout) == len(got.buckets) == 2
     assert [g.code - w.code for g, w in zip(got.buckets, without.buckets)] == pytest.approx(expect, rel=1e-9)
     assert got.exchange_s - without.exchange_s == pytest.approx(sum(expect), rel=1e-9)
-    # on a CPU the codec's core computes: the step grows by the host work, less what the link hid
+    # on a CPU the codec's core computes: the step grows by the overhead, less what the link hid
     assert max(expect) <= got.step_s - without.step_s <= sum(expect) + 1e-12
     other = plan(shapes, calibration=ROUTE_HOST_CAL, nodes=2, gpus_per_node=2, **kw).row(spec, "sparse_rs")
     assert rows["other world"].step_s == pytest.approx(other.step_s, rel=1e-12)
     # the codec's timing: a node-aware route takes its inner route's figure; an untimed route none
     t = calibration.codec_timing(timed, "topk", ranks=4)
-    assert t.route_seconds("node:sparse_rs", [(10, 10)]) == t.route_seconds("sparse_rs", [(100,)]) == \
+    assert t.overhead_seconds("node:sparse_rs", [(10, 10)]) == t.overhead_seconds("sparse_rs", [(100,)]) == \
         pytest.approx(host[0] + host[1] + 100 * host[2])
-    assert t.route_seconds("twophase", [(100,)]) == 0.0
-    assert calibration.codec_timing(timed, "topk", ranks=8).route_seconds("sparse_rs", [(100,)]) == 0.0
+    assert t.overhead_seconds("twophase", [(100,)]) == 0.0
+    assert calibration.codec_timing(timed, "topk", ranks=8).overhead_seconds("sparse_rs", [(100,)]) == 0.0
 
 
-def test_a_routes_measured_host_work_moves_a_jobs_route_choice(tmp_path, monkeypatch):
-    """The job's route choice prices with the calibration's route host work as the planner does: a
+def test_a_routes_measured_overhead_moves_a_jobs_route_choice(tmp_path, monkeypatch):
+    """The job's route choice prices with the calibration's route overhead as the planner does: a
     sparse reduce-scatter the file found costly on the host loses to the allgather, in the file's
     world only."""
     from hvd_ext.exchange.routes import route_options
@@ -191,7 +191,7 @@ def test_a_routes_measured_host_work_moves_a_jobs_route_choice(tmp_path, monkeyp
     monkeypatch.setattr(calibration, "_CACHE", {})
     monkeypatch.setenv(calibration.ENV, write(tmp_path, ROUTE_HOST_CAL, "plain.json"))
     assert route_options(comp, "auto", shapes, 4, link=link)["flat"] == "sparse_rs"
-    costly = {**ROUTE_HOST_CAL, "route_fixed_s": {"topk": {"sparse_rs": [1.0, 0.0, 0.0]}}}
+    costly = {**ROUTE_HOST_CAL, "route_overhead_s": {"topk": {"sparse_rs": [1.0, 0.0, 0.0]}}}
     monkeypatch.setenv(calibration.ENV, write(tmp_path, costly, "costly.json"))
     opts = route_options(comp, "auto", shapes, 4, link=link)
     assert opts["flat"] == "allgather"
@@ -465,9 +465,9 @@ def test_horovods_own_allreduce_prices_only_horovods_rows():
     ({"version": 1, "codec_compiled": {"qsgd": 1e9}}, "codec_compiled needs compile_min"),
     ({"version": 1, "codec_compiled": {"qsgd": 0}, "compile_min": 10}, "codec_compiled speed of 'qsgd'"),
     ({"version": 2}, "version must be 1"),
-    ({"version": 1, "route_fixed_s": {"topk": {"sparse_rs": [1e-3, 0.0]}}}, r"route_fixed_s.topk.sparse_rs must be"),
-    ({"version": 1, "route_fixed_s": {"topk": {"sparse_rs": [1e-3, -1.0, 0.0]}}}, "per tensor, per element"),
-    ({"version": 1, "route_fixed_s": {"topk": [1e-3]}}, "route_fixed_s.topk must be an object"),
+    ({"version": 1, "route_overhead_s": {"topk": {"sparse_rs": [1e-3, 0.0]}}}, r"route_overhead_s.topk.sparse_rs must be"),
+    ({"version": 1, "route_overhead_s": {"topk": {"sparse_rs": [1e-3, -1.0, 0.0]}}}, "per tensor, per element"),
+    ({"version": 1, "route_overhead_s": {"topk": [1e-3]}}, "route_overhead_s.topk must be an object"),
     ({"version": 1, "links": {"inter": {"alpha": 1e-5}}}, "links.inter needs alpha and bandwidth"),
     ({"version": 1, "codec": {"topk": 0}}, "codec speed of 'topk'"),
     ({"version": 1, "links": {"flat": {"lat": 1e-4, "bandwidth": 1e8, "lat_by_kind": {"bcast": 1e-4}}}},
@@ -494,8 +494,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                     max_leaves=8)
 KEYS = ["ranks", "nodes", "local", "device", "compute_s", "links", "codec", "codec_fixed_s", "codec_compiled",
         "compile_min", "links.flat", "links.intra", "links.inter", "links.horovod", "links.horovod_fp16",
-        "links.flat.lat_by_kind", "links.flat.busy_lat_by_kind", "links.flat.bandwidth", "route_fixed_s",
-        "route_fixed_s.topk", "route_fixed_s.topk.sparse_rs"]
+        "links.flat.lat_by_kind", "links.flat.busy_lat_by_kind", "links.flat.bandwidth", "route_overhead_s",
+        "route_overhead_s.topk", "route_overhead_s.topk.sparse_rs"]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

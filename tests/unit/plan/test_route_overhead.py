@@ -1,0 +1,87 @@
+"""hvd_ext.plan.route_overhead: what a bucket's route costs beyond the cost model's terms, measured
+through the real gradient pipeline on the job's exchange -- here over a simulated two-rank world."""
+import time
+
+import pytest
+import torch
+
+from hvd_ext.exchange.bucket_cost import Network
+from hvd_ext.exchange.calibration import CodecTiming
+from hvd_ext.exchange.core import Exchange
+from hvd_ext.exchange.routes import sparse_rs
+from hvd_ext.feedback.residual import ResidualFeedback
+from hvd_ext.plan import route_overhead
+from hvd_ext.plan.calibration import _Job, gradient_like
+from hvd_ext.testing.simulated import SimulatedTransport, SimulatedWorld
+
+TIMINGS = {"topk": CodecTiming(1e12), "powersgd": CodecTiming(1e12)}  # passes priced at almost nothing
+KINDS = ("allreduce", "allgather", "alltoall")
+
+
+def _net(lat: float) -> Network:
+    """Two ranks on a fast link whose every collective costs ``lat`` seconds."""
+    return Network.one_link(2, lat, 1e12, dict.fromkeys(KINDS, lat), dict.fromkeys(KINDS, lat))
+
+
+def _measure(specs, lat=0.0, size=2):
+    def rank(r, t):
+        return route_overhead.measure_route_overhead(_Job(Exchange(transport=t), torch.device("cpu")), specs,
+                                                     TIMINGS, _net(lat), gradient_like)
+    return SimulatedWorld(size, timeout=120.0).run(rank)
+
+
+def test_every_rank_gets_the_same_figures_for_each_route_its_codec_may_take():
+    got = _measure(["topk", "powersgd"])
+    assert got[0] == got[1]  # the ranks' mean
+    assert {s: set(r) for s, r in got[0].items()} == {"topk": {"allgather", "sparse_rs"}, "powersgd": {"allreduce"}}
+    assert all(len(v) == 3 and min(v) >= 0 for r in got[0].values() for v in r.values())
+
+
+def test_host_work_is_split_into_per_bucket_per_tensor_and_per_element(monkeypatch):
+    """Injected host work: the sparse reduce-scatter's owner phase takes 20 ms a bucket and 1 us per
+    element of its range (half the bucket at two ranks), the error feedback 3 ms per tensor."""
+    progress, compensate = sparse_rs.SparseReduceScatterRoute.progress, ResidualFeedback.compensate
+
+    def slow_progress(self):
+        if self._p2 is None:
+            time.sleep(0.02 + 1e-6 * (self.bounds[self.exchange.rank + 1] - self.bounds[self.exchange.rank]))
+        progress(self)
+
+    def slow_compensate(self, *a, **kw):
+        time.sleep(0.003)
+        return compensate(self, *a, **kw)
+
+    monkeypatch.setattr(sparse_rs.SparseReduceScatterRoute, "progress", slow_progress)
+    monkeypatch.setattr(ResidualFeedback, "compensate", slow_compensate)
+    got = _measure(["topk"])[0]["topk"]
+    bucket, tensor, element = got["sparse_rs"]
+    assert 0.015 < bucket < 0.03 and 0.002 < tensor < 0.005 and 4.5e-7 < element < 6.5e-7, got
+    bucket, tensor, element = got["allgather"]
+    assert bucket < 0.01 and 0.002 < tensor < 0.005 and element < 1e-7, got
+
+
+def test_waits_beyond_what_the_network_prices_count_and_the_priced_ones_do_not(monkeypatch):
+    """Every collective takes 20 ms (a slow wait): on a network that prices a collective at nothing,
+    PowerSGD's bucket (vectors: one dense allreduce) costs about 20 ms more than the model says; on
+    one that prices it at 20 ms, about nothing more."""
+    wait = SimulatedTransport.wait
+
+    def slow_wait(self, handle):
+        time.sleep(0.02)
+        return wait(self, handle)
+
+    monkeypatch.setattr(SimulatedTransport, "wait", slow_wait)
+    unpriced = _measure(["powersgd"], lat=0.0)[0]["powersgd"]["allreduce"]
+    priced = _measure(["powersgd"], lat=0.02)[0]["powersgd"]["allreduce"]
+    assert 0.015 < unpriced[0] < 0.03 and priced[0] < 0.008, (unpriced, priced)
+
+
+def test_one_rank_measures_nothing():
+    assert _measure(["topk"], size=1) == [{}]
+
+
+@pytest.mark.parametrize("route", ["sparse_rs", "node:sparse_rs"])
+def test_the_file_figure_prices_a_bucket_of_any_layout(route):
+    t = CodecTiming(1e9, route_overhead={"sparse_rs": [1e-3, 2e-4, 1e-9]})
+    assert t.overhead_seconds(route, [(10, 100), (5,)]) == pytest.approx(1e-3 + 2 * 2e-4 + 1005 * 1e-9)
+    assert CodecTiming(1e9).overhead_seconds(route, [(10,)]) == 0.0
