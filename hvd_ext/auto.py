@@ -518,7 +518,7 @@ class AutoTuner(Policy):
         """Candidate ``c``'s exchange seconds on route ``kind`` for a bucket of ``shapes`` over
         :attr:`network`, priced as the planner prices it (:func:`hvd_ext.exchange.routes.route_cost`):
         its collectives one after another, the bytes on the busiest link, the codec passes and, where
-        the calibration file timed this world, what the route costs beyond them."""
+        the calibration file timed this world, the route's host work beyond the passes."""
         net = self.network or self.probe_network()
         timed = calibration.codec_timing(calibration.from_env(), c.spec(), c.codec_spec(), c.name,
                                          ranks=self.pipe.size)

@@ -18,8 +18,8 @@ Format (JSON)::
      "codec_fixed_s": {"<spec>": seconds one pass costs whatever its size, ...},
      "codec_compiled": {"<spec>": elements per second of a call of compile_min elements or more},  # optional:
      "compile_min": elements,  # a CPU, where calls of compile_min elements or more run compiled
-     "route_overhead_s": {"<spec>": {"<route>": [s per bucket, per tensor, per element]}},  # optional: what
-                       # a bucket on a flat route costs beyond the model's terms, in this world (plan.route_overhead)
+     "route_overhead_s": {"<spec>": {"<route>": [s per bucket, per tensor, per element]}},  # optional: a
+                       # bucket's host work on a flat route beyond its codec passes, in this world (plan.route_overhead)
      "compute_s": optional seconds of one step's forward + backward}
 
 Set ``HVD_EXT_CALIBRATION=path`` for a job: ``auto`` then takes the flat link and each collective's
@@ -227,8 +227,8 @@ class CodecTiming:
     """One codec's encode or decode call as timed on a device: ``speed`` elements per second,
     ``fixed`` seconds whatever the size, and ``compiled`` elements per second of a call of
     ``compile_min`` elements or more (on a CPU, where those run compiled; None: not timed);
-    ``route_overhead``: per flat route, what a bucket costs beyond the model's terms (host work beside
-    the codec's passes, the waits it causes), ``[seconds per bucket, per tensor, per element]``
+    ``route_overhead``: per flat route, a bucket's host work beyond the codec's passes, ``[seconds per
+    bucket, per tensor, per element]``
     (:mod:`hvd_ext.plan.route_overhead`; measured in one world)."""
 
     speed: float
@@ -238,7 +238,7 @@ class CodecTiming:
     route_overhead: Optional[Dict[str, Sequence[float]]] = None
 
     def overhead_seconds(self, route: str, shapes: Sequence[Sequence[int]]) -> float:
-        """Seconds a bucket of tensors of ``shapes`` costs on ``route`` beyond the model's terms (a
+        """Host seconds of a bucket of tensors of ``shapes`` on ``route`` beyond the codec's passes (a
         node-aware route: its inner route's); none where not measured."""
         fixed = (self.route_overhead or {}).get(route[route.find(":") + 1:])
         if not fixed:

@@ -19,10 +19,9 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
   On a CPU, where tensors of ``HVD_EXT_COMPILE_MIN`` elements and more run compiled and smaller ones
   eagerly (:mod:`hvd_ext.ops.cpu_kernels`), the speed is fitted below that size, and the compiled
   speed at ``codec_numel`` is kept apart (``codec_compiled``, with ``compile_min``);
-* **what a route costs beyond the model's terms** -- last, each codec's flat routes run through the
-  gradient pipeline on a tiny, a many-tensor and a large bucket (:mod:`hvd_ext.plan.route_overhead`):
-  its host work beside the codec's passes and the waits that work causes, per bucket, tensor and
-  element;
+* **a route's host work beyond its codec's passes** -- last, each codec's flat routes run through
+  the gradient pipeline on a tiny, a many-tensor and a large bucket (:mod:`hvd_ext.plan.route_overhead`):
+  seconds per bucket, tensor and element outside the collectives' waits;
 * **compute** -- only when a ``step`` callable is given to :func:`measure` (the API): its seconds
   per call in runs of calls back to back, as training runs them (:func:`_measure_compute`); and
   then also each kind of collective **in a step** (``busy_lat_by_kind``): a small allreduce,
@@ -54,7 +53,6 @@ import torch
 from ..auto import DEFAULT_CANDIDATES
 from ..compression.base import Continue, TensorInfo
 from ..exchange import calibration, cost
-from ..exchange.bucket_cost import Network
 from ..exchange.routes import STEADY_STEP
 from ..ops.cpu_kernels import MIN_NUMEL, compile_enabled
 from ..ops.device import Timer
@@ -367,10 +365,8 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     links["horovod_fp16"] = _flat_link(hjob, "horovod.fp16", dtype=torch.float16)
     spread.round()
     _put_spread(links, spread.seconds())
-    flat = links["flat"]
-    net = Network.one_link(job.N, flat["lat"], flat["bandwidth"], flat["lat_by_kind"], flat["lat_by_kind"])
     out["route_overhead_s"] = measure_route_overhead(job, specs, {s: calibration.codec_timing(out, s) for s in specs},
-                                                     net, gradient_like)
+                                                     gradient_like)
     return out
 
 

@@ -58,8 +58,8 @@ class Cluster(Network):
     ``horovod_fp16_slowdown``: how many times slower per byte Horovod's float16 allreduce is than its
     float32 one (measured); ``codec_compiled``: on a CPU, the elements per second of a codec call of
     ``compile_min`` elements or more, which runs compiled (``codec``: the smaller, eager ones);
-    ``route_overhead``: per codec, what its routes cost beyond the model's terms (measured in this
-    world, :mod:`hvd_ext.plan.route_overhead`)."""
+    ``route_overhead``: per codec, its routes' host work beyond the passes (measured in this world,
+    :mod:`hvd_ext.plan.route_overhead`)."""
 
     codec: Dict[str, float] = field(default_factory=dict)
     codec_on_compute: bool = False

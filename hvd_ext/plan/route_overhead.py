@@ -1,22 +1,21 @@
-"""What a bucket's route costs beyond the cost model's terms, measured on the job's exchange.
+"""What a bucket's route costs on the host beyond its codec's passes, measured on the job's exchange.
 
 The model prices a bucket's exchange as its collectives' fixed costs, its bytes over the link and its
-codec's passes (:func:`hvd_ext.exchange.routes.route_cost`). A route costs more than that. On the
-host: the pipeline's checks and the error feedback of each tensor, cutting, framing and joining
-payloads, the owner's sum, copies and re-selection (the sparse reduce-scatter, Shi et al. ICDCS 2019)
--- small device operations with a cost per call (Li et al., "PyTorch Distributed", VLDB 2020, on
-bucketing) and dense passes no codec timing covers; on a CPU they run on the core that computes. And
-in waits: each rank does that work at its own pace, so the ranks reach the route's later collectives
-apart, and the first to arrive waits for the last.
+codec's passes (:func:`hvd_ext.exchange.routes.route_cost`). A route does more on the host than its
+codec's passes: the pipeline's checks and the error feedback of each tensor, cutting, framing and
+joining payloads, the owner's sum, copies and re-selection (the sparse reduce-scatter, Shi et al.
+ICDCS 2019) -- small device operations with a cost per call (Li et al., "PyTorch Distributed", VLDB
+2020, on bucketing) and dense passes no codec timing covers. On a CPU they run on the core that
+computes, so they lengthen the step.
 
 :func:`measure_route_overhead` runs each codec's flat routes through the real gradient pipeline on the
 job's exchange, on a bucket of one tiny tensor, on one of the same elements in ``TENSORS`` tensors
-and on one of a ``LARGE`` tensor, in the codec's steady state, steps back to back. Of each it keeps
-a step's median seconds less what ``route_cost`` prices that bucket at on the job's network (every
-collective at its cost with the ranks together); the three buckets give ``[seconds per bucket, per
-tensor, per element]``, the ranks' mean. The file keeps them per codec and route
-(``route_overhead_s``); the planner, a job's route choice and ``auto`` add them to a bucket's codec
-seconds in that world.
+and on one of a ``LARGE`` tensor, in the codec's steady state. Of each it keeps a step's median
+seconds outside the collectives' waits (the exchange's ``wait_s``: a collective's cost is the
+link's, measured apart), less what the codec's passes over that bucket are priced at; the three
+buckets give ``[seconds per bucket, per tensor, per element]``, the ranks' mean. The file keeps them
+per codec and route (``route_overhead_s``); the planner, a job's route choice and ``auto`` add them
+to a bucket's codec seconds in that world.
 """
 from __future__ import annotations
 
@@ -26,9 +25,9 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 
-from ..exchange.bucket_cost import Network
 from ..exchange.calibration import CodecTiming
-from ..exchange.routes import STEADY_STEP, flat_routes, pass_seconds, payload_bytes, route_cost
+from ..exchange.cost import route_wire_and_code
+from ..exchange.routes import STEADY_STEP, flat_routes, pass_seconds
 from ..pipeline import GradientPipeline
 from ..spec import compression_from_spec
 
@@ -38,12 +37,12 @@ LARGE = 256 * 1024  # of the third bucket, one tensor (1 MiB of float32: DDP's f
 WARM, REPS = 3, 15  # steps of each bucket before timing (allocations, compiles), and timed steps
 
 
-def measure_route_overhead(job: Any, specs: Sequence[str], timings: Dict[str, CodecTiming], net: Network,
+def measure_route_overhead(job: Any, specs: Sequence[str], timings: Dict[str, CodecTiming],
                            draw: Callable[[int, Any], torch.Tensor]) -> Dict[str, Dict[str, List[float]]]:
     """``{spec: {route: [seconds per bucket, per tensor, per element]}}`` of each codec ``spec`` on each
     flat route it may take in this world (module doc); ``timings``: each spec's pass as just timed;
-    ``net``: the job's network as just measured; ``draw(numel, device)``: a gradient to code. Every
-    rank runs the same pipelines, so the same collectives; none below two ranks (no route sends)."""
+    ``draw(numel, device)``: a gradient to code. Every rank runs the same pipelines, so the same
+    collectives; none below two ranks (no route sends)."""
     if job.N < 2:
         return {}
     layouts = ([ELEMENTS], [ELEMENTS // TENSORS] * TENSORS, [LARGE])
@@ -52,12 +51,9 @@ def measure_route_overhead(job: Any, specs: Sequence[str], timings: Dict[str, Co
         comp = compression_from_spec(spec)
         for route in flat_routes(comp, None, job.N):
             keys.append((spec, route))
-            for sizes, took in zip(layouts, step_seconds(job, spec, route, layouts, draw)):
-                shapes = [(n,) for n in sizes]
-                passes = pass_seconds(comp, shapes, route, job.N, 1, timings[spec])
-                payload = payload_bytes(comp, shapes, route, job.N)
-                extra.append(took - route_cost(comp, route, shapes, payload, passes, passes, net,
-                                               job.device.type).seconds)
+            for sizes, host in zip(layouts, host_seconds(job, spec, route, layouts, draw)):
+                passes = pass_seconds(comp, [(n,) for n in sizes], route, job.N, 1, timings[spec])
+                extra.append(host - route_wire_and_code(route, job.N, 0.0, passes, passes)[1])
     extra = job.mean(extra)
     out: Dict[str, Dict[str, List[float]]] = {}
     for i, (spec, route) in enumerate(keys):
@@ -69,11 +65,11 @@ def measure_route_overhead(job: Any, specs: Sequence[str], timings: Dict[str, Co
     return out
 
 
-def step_seconds(job: Any, spec: str, route: str, layouts: Sequence[Sequence[int]],
+def host_seconds(job: Any, spec: str, route: str, layouts: Sequence[Sequence[int]],
                  draw: Callable[[int, Any], torch.Tensor]) -> List[float]:
     """Median seconds of a step of one bucket of tensors of each layout's sizes under ``spec`` on
-    ``route``: the gradient pipeline's flush and finish over the job's exchange, waits included; the
-    layouts take their steps in turn, so that the machine's drift hits them alike."""
+    ``route`` (the gradient pipeline's flush and finish over the job's exchange) outside its waits;
+    the layouts take their steps in turn, so that the machine's drift hits them alike."""
     runs = []
     for j, sizes in enumerate(layouts):
         comp = compression_from_spec(spec)
@@ -84,17 +80,18 @@ def step_seconds(job: Any, spec: str, route: str, layouts: Sequence[Sequence[int
             pipe.set_bucket_compressor(b, comp, kind=route)
         pipe.step = STEADY_STEP  # past every codec's warm-up, as the planner prices it
         runs.append((pipe, named, [draw(n, job.device) for n in sizes], []))
+    stats = job.ex.stats
     for s in range(WARM + REPS):
         for pipe, named, grads, times in runs:
             for (_, p), g in zip(named, grads):
                 p.grad = g.clone()
-            t0 = time.perf_counter()
+            waited, t0 = stats.wait_s, time.perf_counter()
             pipe.flush()
             pipe.finish()
             if job.device.type == "cuda":
                 torch.cuda.synchronize(job.device)
             if s >= WARM:
-                times.append(time.perf_counter() - t0)
+                times.append(time.perf_counter() - t0 - (stats.wait_s - waited))
     for pipe, *_ in runs:
         pipe.close()
     return [statistics.median(times) for *_, times in runs]

@@ -230,8 +230,8 @@ def route_cost(comp: Compressor, kind: str, shapes: Sequence[tuple], payload: fl
     :mod:`hvd_ext.exchange.bucket_cost` prices it: the sparse reduce-scatter's pairs where they travel
     instead of the codec's payload (:func:`priced_as_pairs`), a flat route's collectives as
     :func:`flat_terms` lists them; ``later`` and ``fuse`` as
-    :func:`hvd_ext.exchange.bucket_cost.flat_cost` takes them (the planner's); ``overhead``: what the
-    route costs beyond these terms (:meth:`hvd_ext.exchange.calibration.CodecTiming.overhead_seconds`),
+    :func:`hvd_ext.exchange.bucket_cost.flat_cost` takes them (the planner's); ``overhead``: the route's
+    host work beyond the codec's passes (:meth:`hvd_ext.exchange.calibration.CodecTiming.overhead_seconds`),
     added to the codec seconds. ``compression="auto"``, the fixed codecs' route choice
     (:func:`.choice.route_options`) and the planner price with it."""
     numels = [math.prod(s) for s in shapes]

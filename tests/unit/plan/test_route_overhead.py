@@ -1,11 +1,10 @@
-"""hvd_ext.plan.route_overhead: what a bucket's route costs beyond the cost model's terms, measured
+"""hvd_ext.plan.route_overhead: a bucket's host work on its route beyond its codec's passes, measured
 through the real gradient pipeline on the job's exchange -- here over a simulated two-rank world."""
 import time
 
 import pytest
 import torch
 
-from hvd_ext.exchange.bucket_cost import Network
 from hvd_ext.exchange.calibration import CodecTiming
 from hvd_ext.exchange.core import Exchange
 from hvd_ext.exchange.routes import sparse_rs
@@ -15,18 +14,12 @@ from hvd_ext.plan.calibration import _Job, gradient_like
 from hvd_ext.testing.simulated import SimulatedTransport, SimulatedWorld
 
 TIMINGS = {"topk": CodecTiming(1e12), "powersgd": CodecTiming(1e12)}  # passes priced at almost nothing
-KINDS = ("allreduce", "allgather", "alltoall")
 
 
-def _net(lat: float) -> Network:
-    """Two ranks on a fast link whose every collective costs ``lat`` seconds."""
-    return Network.one_link(2, lat, 1e12, dict.fromkeys(KINDS, lat), dict.fromkeys(KINDS, lat))
-
-
-def _measure(specs, lat=0.0, size=2):
+def _measure(specs, size=2):
     def rank(r, t):
         return route_overhead.measure_route_overhead(_Job(Exchange(transport=t), torch.device("cpu")), specs,
-                                                     TIMINGS, _net(lat), gradient_like)
+                                                     TIMINGS, gradient_like)
     return SimulatedWorld(size, timeout=120.0).run(rank)
 
 
@@ -60,10 +53,8 @@ def test_host_work_is_split_into_per_bucket_per_tensor_and_per_element(monkeypat
     assert bucket < 0.01 and 0.002 < tensor < 0.005 and element < 1e-7, got
 
 
-def test_waits_beyond_what_the_network_prices_count_and_the_priced_ones_do_not(monkeypatch):
-    """Every collective takes 20 ms (a slow wait): on a network that prices a collective at nothing,
-    PowerSGD's bucket (vectors: one dense allreduce) costs about 20 ms more than the model says; on
-    one that prices it at 20 ms, about nothing more."""
+def test_waits_for_collectives_are_left_out(monkeypatch):
+    """Every collective takes 20 ms more (a slow wait): the link's cost, measured apart, not host work."""
     wait = SimulatedTransport.wait
 
     def slow_wait(self, handle):
@@ -71,9 +62,8 @@ def test_waits_beyond_what_the_network_prices_count_and_the_priced_ones_do_not(m
         return wait(self, handle)
 
     monkeypatch.setattr(SimulatedTransport, "wait", slow_wait)
-    unpriced = _measure(["powersgd"], lat=0.0)[0]["powersgd"]["allreduce"]
-    priced = _measure(["powersgd"], lat=0.02)[0]["powersgd"]["allreduce"]
-    assert 0.015 < unpriced[0] < 0.03 and priced[0] < 0.008, (unpriced, priced)
+    got = _measure(["powersgd", "topk"])[0]
+    assert got["powersgd"]["allreduce"][0] < 0.008 and got["topk"]["sparse_rs"][0] < 0.008, got
 
 
 def test_one_rank_measures_nothing():
