@@ -520,9 +520,13 @@ class AutoTuner(Policy):
         its collectives one after another, the bytes on the busiest link, the codec passes and, where
         the calibration file timed this world, the route's host work beyond the passes."""
         net = self.network or self.probe_network()
-        timed = calibration.codec_timing(calibration.from_env(), c.spec(), c.codec_spec(), c.name,
-                                         ranks=self.pipe.size)
-        extra = timed.overhead_seconds(kind, shapes) if timed is not None else 0.0
+        cal, extra = calibration.from_env(), 0.0
+        if cal is not None:  # the file's world: its ranks, and its nodes where the job has them
+            topo = self.pipe.exchange.topology()
+            world = (topo.cross_size, topo.local_size) if topo is not None else (None, None)
+            timed = calibration.codec_timing(cal, c.spec(), c.codec_spec(), c.name, ranks=self.pipe.size,
+                                             nodes=world[0], local=world[1])
+            extra = timed.overhead_seconds(kind, shapes, net.local) if timed is not None else 0.0
         return route_cost(c, kind, shapes, payload, enc, dec, net, device_type, self.pipe.step,
                           overhead=extra).seconds
 

@@ -237,13 +237,15 @@ class CodecTiming:
     compile_min: Optional[int] = None
     route_overhead: Optional[Dict[str, Sequence[float]]] = None
 
-    def overhead_seconds(self, route: str, shapes: Sequence[Sequence[int]]) -> float:
-        """Host seconds of a bucket of tensors of ``shapes`` on ``route`` beyond the codec's passes (a
-        node-aware route: its inner route's); none where not measured."""
+    def overhead_seconds(self, route: str, shapes: Sequence[Sequence[int]], local: int = 1) -> float:
+        """Host seconds of a bucket of tensors of ``shapes`` on ``route`` beyond the codec's passes; a
+        node-aware route: its inner route's on a rank's shard of the elements (nodes of ``local``
+        ranks); none where not measured."""
         fixed = (self.route_overhead or {}).get(route[route.find(":") + 1:])
         if not fixed:
             return 0.0
-        return fixed[0] + fixed[1] * len(shapes) + fixed[2] * sum(math.prod(s) for s in shapes)
+        shard = max(int(local), 1) if route.startswith("node:") else 1
+        return fixed[0] + fixed[1] * len(shapes) + fixed[2] * sum(math.prod(s) for s in shapes) / shard
 
     def seconds(self, numel: int) -> float:
         """Seconds of one call on ``numel`` elements (none for a codec that codes nothing: speed inf)."""
@@ -253,11 +255,12 @@ class CodecTiming:
         return 0.0 if math.isinf(speed) else self.fixed + numel / speed
 
 
-def codec_timing(cal: Optional[Dict[str, Any]], *keys: str, ranks: Optional[int] = None) -> Optional[CodecTiming]:
+def codec_timing(cal: Optional[Dict[str, Any]], *keys: str, ranks: Optional[int] = None,
+                 nodes: Optional[int] = None, local: Optional[int] = None) -> Optional[CodecTiming]:
     """The file's timing of a codec, each figure under the first of ``keys`` (a spec, the codec's own
     spec, its family) it is listed by, as the planner looks them up; None where no speed is listed;
-    its routes' overhead only where the file measured a world of ``ranks``. A job's route choice
-    prices a codec call with it."""
+    its routes' overhead only where the file measured a world of ``ranks`` (of ``nodes`` x ``local``,
+    where given: :func:`timed_here`). A job's route choice prices a codec call with it."""
     def first(table: str):
         entries = (cal or {}).get(table, {})
         return next((entries[k] for k in keys if k in entries), None)
@@ -268,7 +271,7 @@ def codec_timing(cal: Optional[Dict[str, Any]], *keys: str, ranks: Optional[int]
     compiled = first("codec_compiled")
     return CodecTiming(float(speed), float(first("codec_fixed_s") or 0.0), float(compiled) if compiled else None,
                        cal.get("compile_min") if compiled else None,
-                       first("route_overhead_s") if ranks is not None and timed_here(cal, ranks) else None)
+                       first("route_overhead_s") if ranks is not None and timed_here(cal, ranks, nodes, local) else None)
 
 
 def node_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optional[int] = None,

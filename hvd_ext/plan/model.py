@@ -276,7 +276,7 @@ def codec_costs(spec: str, comp: Compressor, route: str, buckets: Sequence[Seque
         # the device decides who sums a half-precision bucket (a CPU: where the codec runs on the compute core)
         costs.append(route_cost(comp, route, shapes, payload, enc, dec, c, "cpu" if c.codec_on_compute else "cuda",
                                 later=later, fuse=str(comp.wire_dtype or torch.float32),
-                                overhead=timing.overhead_seconds(route, shapes)))
+                                overhead=timing.overhead_seconds(route, shapes, c.local)))
         seen[key] = costs[-1]
     return costs
 

@@ -13,7 +13,9 @@ job's exchange, on a bucket of one tiny tensor, on one of the same elements in `
 and on one of a ``LARGE`` tensor, in the codec's steady state. Of each it keeps a step's median
 seconds outside the collectives' waits (the exchange's ``wait_s``: a collective's cost is the
 link's, measured apart), less what the codec's passes over that bucket are priced at; the three
-buckets give ``[seconds per bucket, per tensor, per element]``, the ranks' mean. The file keeps them
+buckets give ``[seconds per bucket, per tensor, per element]``, the ranks' mean. On a GPU the
+device's unfinished work is waited for inside the collectives' waits, so the figure is the host's
+share only (its kernels are priced by the codec's passes). The file keeps them
 per codec and route (``route_overhead_s``); the planner, a job's route choice and ``auto`` add them
 to a bucket's codec seconds in that world.
 """
@@ -67,22 +69,21 @@ def measure_route_overhead(job: Any, specs: Sequence[str], timings: Dict[str, Co
 
 def host_seconds(job: Any, spec: str, route: str, layouts: Sequence[Sequence[int]],
                  draw: Callable[[int, Any], torch.Tensor]) -> List[float]:
-    """Median seconds of a step of one bucket of tensors of each layout's sizes under ``spec`` on
-    ``route`` (the gradient pipeline's flush and finish over the job's exchange) outside its waits;
-    the layouts take their steps in turn, so that the machine's drift hits them alike."""
-    runs = []
+    """Median seconds of a step of one bucket of tensors of each layout's sizes under ``spec`` on the
+    flat ``route`` (the gradient pipeline's flush and finish over the job's exchange) outside its
+    waits; each layout's steps in a block, on buffers of its own size."""
+    out = []
     for j, sizes in enumerate(layouts):
-        comp = compression_from_spec(spec)
+        comp = compression_from_spec(flat_only(spec))  # no node-aware trial takes the bucket elsewhere
         named = [(f"route_overhead.{j}.{i}", torch.nn.Parameter(torch.zeros(n, device=job.device)))
                  for i, n in enumerate(sizes)]
+        grads = [draw(n, job.device) for n in sizes]
         pipe = GradientPipeline(named, comp, comp.feedback, job.ex, bucket_bytes=1 << 30)
         for b in pipe.buckets:
             pipe.set_bucket_compressor(b, comp, kind=route)
         pipe.step = STEADY_STEP  # past every codec's warm-up, as the planner prices it
-        runs.append((pipe, named, [draw(n, job.device) for n in sizes], []))
-    stats = job.ex.stats
-    for s in range(WARM + REPS):
-        for pipe, named, grads, times in runs:
+        times, stats = [], job.ex.stats
+        for s in range(WARM + REPS):
             for (_, p), g in zip(named, grads):
                 p.grad = g.clone()
             waited, t0 = stats.wait_s, time.perf_counter()
@@ -92,6 +93,11 @@ def host_seconds(job: Any, spec: str, route: str, layouts: Sequence[Sequence[int
                 torch.cuda.synchronize(job.device)
             if s >= WARM:
                 times.append(time.perf_counter() - t0 - (stats.wait_s - waited))
-    for pipe, *_ in runs:
         pipe.close()
-    return [statistics.median(times) for *_, times in runs]
+        out.append(statistics.median(times))
+    return out
+
+
+def flat_only(spec: str) -> str:
+    """``spec`` with ``hierarchy=flat``: its buckets stay on the route they are given."""
+    return f"{spec}{',' if ':' in spec else ':'}hierarchy=flat"

@@ -37,10 +37,12 @@ def test_measure_writes_a_calibration_the_planner_reads(tmp_path):
     assert cal["links"]["horovod"]["bandwidth"] > 1e6 and set(cal["links"]["horovod"]["lat_by_kind"]) == {"allreduce"}
     assert cal["links"]["horovod_fp16"]["bandwidth"] > 1e5 and cal["links"]["horovod_fp16"]["lat"] > 0
     assert cal["codec"]["qsgd:bits=8"] > 1e6 and "fp16" in cal["codec"]  # auto's candidates too
-    # each codec's flat routes: what a bucket costs beyond the model's terms (per bucket, tensor, element)
+    # each codec's flat routes: a bucket's host work beyond the codec's passes (per bucket, tensor,
+    # element); the pipeline's own work per bucket is more than nothing
     assert set(cal["route_overhead_s"]["qsgd:bits=8"]) == {"allgather", "twophase"}
     assert set(cal["route_overhead_s"]["fp16"]) == {"allreduce"}
-    assert all(len(v) == 3 and min(v) >= 0 for r in cal["route_overhead_s"].values() for v in r.values())
+    assert all(len(v) == 3 for r in cal["route_overhead_s"].values() for v in r.values())
+    assert any(v[0] > 0 for v in cal["route_overhead_s"]["qsgd:bits=8"].values())
     p = subprocess.run([sys.executable, "-m", "hvd_ext.plan", "--params", "2e6", "--compute-ms", "5",
                         "--calibration", str(out), "--methods", "qsgd:bits=8"],
                        capture_output=True, text=True, timeout=120, env=_env(), cwd=str(ROOT))

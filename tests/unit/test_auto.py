@@ -599,7 +599,7 @@ def test_calibration_file_gives_auto_its_link(tmp_path, monkeypatch):
 
 
 def test_auto_prices_a_routes_overhead_as_the_calibration_file_timed_it(tmp_path, monkeypatch):
-    """A candidate's route costs its overhead beyond the model's terms where the calibration file
+    """A candidate's route costs its host work beyond the codec's passes where the calibration file
     timed this world (``route_overhead_s``, as the planner adds it); in another world, nothing."""
     import json
 
@@ -614,7 +614,8 @@ def test_auto_prices_a_routes_overhead_as_the_calibration_file_timed_it(tmp_path
     monkeypatch.setattr(calibration, "_CACHE", {})
 
     def priced(size, route):
-        tuner = type("T", (), {"pipe": type("P", (), {"size": size, "step": 10})(),
+        exchange = type("E", (), {"topology": lambda self: None})()  # one node's ranks, no topology known
+        tuner = type("T", (), {"pipe": type("P", (), {"size": size, "step": 10, "exchange": exchange})(),
                                "network": Network.one_link(size, 1e-4, 1e8)})()
         return AutoTuner.predict(tuner, c, route, shapes, 1e3, 1e-4, 1e-4, "cpu")
 

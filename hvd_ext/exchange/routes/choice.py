@@ -125,14 +125,15 @@ def route_options(comp: Compressor, mode: str, shapes: Union[int, Sequence[int],
     kind = torch.device(device).type if device is not None else "cpu"
     if net.nodes > 1 and kind == "cuda":
         net.allreduce_tree = True   # Horovod's allreduce of GPU tensors: NCCL's trees (as node_links sets)
-    timing = job_codec_timing(comp, cal, codec, device, size)
+    world = (topo.cross_size, topo.local_size) if topo is not None else (None, None)
+    timing = job_codec_timing(comp, cal, codec, device, size, *world)
     times = {}
     for r in bucket_routes(comp, size, links is not None, mode):
         parts = net.nodes if r.startswith(NODE_PREFIX) else size
         passes = pass_seconds(comp, shapes, r, parts, net.local, timing)
         payload = payload_bytes(comp, shapes, r, parts, net.local)
         times[r] = route_cost(comp, r, shapes, payload, passes, passes, net, kind,
-                              overhead=timing.overhead_seconds(r, shapes)).seconds
+                              overhead=timing.overhead_seconds(r, shapes, net.local)).seconds
     best_flat = fastest_route({r: times[r] for r in flat})
     if links is None:
         return {"flat": best_flat, "flat_s": float(times[best_flat]), "node": None, "node_s": None}
@@ -142,8 +143,9 @@ def route_options(comp: Compressor, mode: str, shapes: Union[int, Sequence[int],
 
 
 def job_codec_timing(comp: Compressor, cal: Optional[Dict[str, Any]], codec: Optional[float],
-                     device=None, ranks: Optional[int] = None) -> calibration.CodecTiming:
-    """How a job of ``ranks`` prices ``comp``'s codec calls before it has run them: at ``codec`` elements/s
+                     device=None, ranks: Optional[int] = None, nodes: Optional[int] = None,
+                     local: Optional[int] = None) -> calibration.CodecTiming:
+    """How a job of ``ranks`` (``nodes`` x ``local``) prices ``comp``'s codec calls before it has run them: at ``codec`` elements/s
     where given, else as the calibration file timed the codec (:func:`hvd_ext.exchange.calibration.codec_timing`
     under its spec, its own spec, its family, as the planner looks it up; its routes' overhead where
     the file timed this world), else at its family's speed on ``device``
@@ -151,7 +153,8 @@ def job_codec_timing(comp: Compressor, cal: Optional[Dict[str, Any]], codec: Opt
     rank). A link's own ``codec`` figure is not used."""
     if codec:
         return calibration.CodecTiming(codec)
-    timed = calibration.codec_timing(cal, comp.spec(), comp.codec_spec(), comp.name, ranks=ranks) if cal else None
+    timed = calibration.codec_timing(cal, comp.spec(), comp.codec_spec(), comp.name, ranks=ranks, nodes=nodes,
+                                       local=local) if cal else None
     if timed is not None:
         return timed
     return calibration.CodecTiming(codec_speed.pass_speed(comp.name, device))

@@ -147,8 +147,8 @@ ROUTE_HOST_CAL = {"version": 1, "ranks": 4, "nodes": 1, "local": 4, "device": "c
 
 
 def test_a_routes_measured_overhead_is_added_to_each_bucket_in_the_calibrated_world_only():
-    """``route_overhead_s`` (what a bucket costs beyond the model's terms, per bucket, tensor and
-    element) adds to each bucket's codec seconds on that route, so to the step on a CPU, where the
+    """``route_overhead_s`` (a bucket's host work beyond its codec's passes, outside the waits: per
+    bucket, tensor and element) adds to each bucket's codec seconds on that route, so to the step on a CPU, where the
     file timed this world; in another world, or on a route it did not time, nothing."""
     shapes = [(640,), (128,), (128, 384), (128,), (128, 384), (128,), (256, 640), (256,)]  # two buckets
     spec = "topk:ratio=0.01,exchange=twophase"
@@ -174,8 +174,14 @@ def test_a_routes_measured_overhead_is_added_to_each_bucket_in_the_calibrated_wo
     t = calibration.codec_timing(timed, "topk", ranks=4)
     assert t.overhead_seconds("node:sparse_rs", [(10, 10)]) == t.overhead_seconds("sparse_rs", [(100,)]) == \
         pytest.approx(host[0] + host[1] + 100 * host[2])
+    assert t.overhead_seconds("node:sparse_rs", [(100,)], local=4) == pytest.approx(host[0] + host[1] + 25 * host[2])
     assert t.overhead_seconds("twophase", [(100,)]) == 0.0
     assert calibration.codec_timing(timed, "topk", ranks=8).overhead_seconds("sparse_rs", [(100,)]) == 0.0
+    # the same ranks laid out otherwise (2 nodes x 2) are another world; the file's own (1 x 4) is not
+    assert calibration.codec_timing(timed, "topk", ranks=4, nodes=2, local=2).overhead_seconds(
+        "sparse_rs", [(100,)]) == 0.0
+    assert calibration.codec_timing(timed, "topk", ranks=4, nodes=1, local=4).overhead_seconds(
+        "sparse_rs", [(100,)]) > 0
 
 
 def test_a_routes_measured_overhead_moves_a_jobs_route_choice(tmp_path, monkeypatch):
@@ -465,7 +471,8 @@ def test_horovods_own_allreduce_prices_only_horovods_rows():
     ({"version": 1, "codec_compiled": {"qsgd": 1e9}}, "codec_compiled needs compile_min"),
     ({"version": 1, "codec_compiled": {"qsgd": 0}, "compile_min": 10}, "codec_compiled speed of 'qsgd'"),
     ({"version": 2}, "version must be 1"),
-    ({"version": 1, "route_overhead_s": {"topk": {"sparse_rs": [1e-3, 0.0]}}}, r"route_overhead_s.topk.sparse_rs must be"),
+    ({"version": 1, "route_overhead_s": {"topk": {"sparse_rs": [1e-3, 0.0]}}},
+     r"route_overhead_s.topk.sparse_rs must be"),
     ({"version": 1, "route_overhead_s": {"topk": {"sparse_rs": [1e-3, -1.0, 0.0]}}}, "per tensor, per element"),
     ({"version": 1, "route_overhead_s": {"topk": [1e-3]}}, "route_overhead_s.topk must be an object"),
     ({"version": 1, "links": {"inter": {"alpha": 1e-5}}}, "links.inter needs alpha and bandwidth"),

@@ -27,7 +27,7 @@ def test_every_rank_gets_the_same_figures_for_each_route_its_codec_may_take():
     got = _measure(["topk", "powersgd"])
     assert got[0] == got[1]  # the ranks' mean
     assert {s: set(r) for s, r in got[0].items()} == {"topk": {"allgather", "sparse_rs"}, "powersgd": {"allreduce"}}
-    assert all(len(v) == 3 and min(v) >= 0 for r in got[0].values() for v in r.values())
+    assert all(len(v) == 3 for r in got[0].values() for v in r.values())
 
 
 def test_host_work_is_split_into_per_bucket_per_tensor_and_per_element(monkeypatch):
@@ -48,9 +48,9 @@ def test_host_work_is_split_into_per_bucket_per_tensor_and_per_element(monkeypat
     monkeypatch.setattr(ResidualFeedback, "compensate", slow_compensate)
     got = _measure(["topk"])[0]["topk"]
     bucket, tensor, element = got["sparse_rs"]
-    assert 0.015 < bucket < 0.03 and 0.002 < tensor < 0.005 and 4.5e-7 < element < 6.5e-7, got
+    assert 0.015 < bucket < 0.04 and 0.002 < tensor < 0.008 and 4.5e-7 < element < 8e-7, got
     bucket, tensor, element = got["allgather"]
-    assert bucket < 0.01 and 0.002 < tensor < 0.005 and element < 1e-7, got
+    assert bucket < 0.015 and 0.002 < tensor < 0.008 and element < 2e-7, got
 
 
 def test_waits_for_collectives_are_left_out(monkeypatch):
@@ -66,6 +66,18 @@ def test_waits_for_collectives_are_left_out(monkeypatch):
     assert got["powersgd"]["allreduce"][0] < 0.008 and got["topk"]["sparse_rs"][0] < 0.008, got
 
 
+def test_across_nodes_each_bucket_stays_on_the_flat_route_it_is_timed_on():
+    """On 2 nodes x 2 ranks a codec may trial the node-aware routes against the flat ones; the timed
+    buckets run the flat route asked for, so no node-aware collective runs."""
+    world = SimulatedWorld(4, timeout=120.0, ranks_per_node=2)
+    got = world.run(lambda r, t: route_overhead.measure_route_overhead(
+        _Job(Exchange(transport=t), torch.device("cpu")), ["qsgd:bits=8"], {"qsgd:bits=8": CodecTiming(1e12)},
+        gradient_like))
+    assert set(got[0]["qsgd:bits=8"]) == {"allgather", "twophase"}
+    names = [n for w in [world, *world._groups.values()] for _, n in w.calls]
+    assert names and not any(n.startswith(("hvd_ext.nrs.", "hvd_ext.nag.")) for n in names)
+
+
 def test_one_rank_measures_nothing():
     assert _measure(["topk"], size=1) == [{}]
 
@@ -74,4 +86,6 @@ def test_one_rank_measures_nothing():
 def test_the_file_figure_prices_a_bucket_of_any_layout(route):
     t = CodecTiming(1e9, route_overhead={"sparse_rs": [1e-3, 2e-4, 1e-9]})
     assert t.overhead_seconds(route, [(10, 100), (5,)]) == pytest.approx(1e-3 + 2 * 2e-4 + 1005 * 1e-9)
+    shard = 4 if route.startswith("node:") else 1  # the node-aware route codes a rank's shard
+    assert t.overhead_seconds(route, [(1000,)], local=4) == pytest.approx(1e-3 + 2e-4 + 1000 / shard * 1e-9)
     assert CodecTiming(1e9).overhead_seconds(route, [(10,)]) == 0.0
