@@ -271,7 +271,8 @@ def codec_timing(cal: Optional[Dict[str, Any]], *keys: str, ranks: Optional[int]
     compiled = first("codec_compiled")
     return CodecTiming(float(speed), float(first("codec_fixed_s") or 0.0), float(compiled) if compiled else None,
                        cal.get("compile_min") if compiled else None,
-                       first("route_overhead_s") if ranks is not None and timed_here(cal, ranks, nodes, local) else None)
+                       first("route_overhead_s") if ranks is not None and timed_here(cal, ranks, nodes, local)
+                       else None)
 
 
 def node_latencies(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optional[int] = None,

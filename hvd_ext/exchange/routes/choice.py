@@ -145,10 +145,11 @@ def route_options(comp: Compressor, mode: str, shapes: Union[int, Sequence[int],
 def job_codec_timing(comp: Compressor, cal: Optional[Dict[str, Any]], codec: Optional[float],
                      device=None, ranks: Optional[int] = None, nodes: Optional[int] = None,
                      local: Optional[int] = None) -> calibration.CodecTiming:
-    """How a job of ``ranks`` (``nodes`` x ``local``) prices ``comp``'s codec calls before it has run them: at ``codec`` elements/s
-    where given, else as the calibration file timed the codec (:func:`hvd_ext.exchange.calibration.codec_timing`
-    under its spec, its own spec, its family, as the planner looks it up; its routes' overhead where
-    the file timed this world), else at its family's speed on ``device``
+    """How a job of ``ranks`` (``nodes`` x ``local``) prices ``comp``'s codec calls before it has run
+    them: at ``codec`` elements/s where given, else as the calibration file timed the codec
+    (:func:`hvd_ext.exchange.calibration.codec_timing` under its spec, its own spec, its family, as the
+    planner looks it up; its routes' overhead where the file timed this world), else at its family's
+    speed on ``device``
     (:func:`hvd_ext.exchange.codec_speed.pass_speed`, the planner's default too; the same on every
     rank). A link's own ``codec`` figure is not used."""
     if codec:
