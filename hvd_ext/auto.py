@@ -431,8 +431,7 @@ class AutoTuner(Policy):
         given = calibration.flat_link(cal, N)
         if given is not None:  # HVD_EXT_CALIBRATION: the link python -m hvd_ext.plan --measure found
             wire = cost.allreduce_wire(4.0 * (_PROBE_LARGE - _PROBE_SMALL), N)
-            topo = self.pipe.exchange.topology()
-            world = (topo.cross_size, topo.local_size) if topo is not None else (None, None)
+            world = calibration.node_layout(self.pipe.exchange.topology())
             return {"lat": given["lat"], "large": given["lat"] + wire / given["bandwidth"], "wire": wire,
                     "by_kind": calibration.collective_latencies(cal, N, *world)}
 
@@ -522,10 +521,9 @@ class AutoTuner(Policy):
         net = self.network or self.probe_network()
         cal, extra = calibration.from_env(), 0.0
         if cal is not None:  # the file's world: its ranks, and its nodes where the job has them
-            topo = self.pipe.exchange.topology()
-            world = (topo.cross_size, topo.local_size) if topo is not None else (None, None)
+            nodes, local = calibration.node_layout(self.pipe.exchange.topology())
             timed = calibration.codec_timing(cal, c.spec(), c.codec_spec(), c.name, ranks=self.pipe.size,
-                                             nodes=world[0], local=world[1])
+                                             nodes=nodes, local=local)
             extra = timed.overhead_seconds(kind, shapes, net.local) if timed is not None else 0.0
         return route_cost(c, kind, shapes, payload, enc, dec, net, device_type, self.pipe.step,
                           overhead=extra).seconds

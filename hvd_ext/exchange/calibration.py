@@ -193,6 +193,12 @@ def flat_link(cal: Optional[Dict[str, Any]], ranks: int) -> Optional[Dict[str, f
     return {"lat": flat["lat"], "bandwidth": flat["bandwidth"]}
 
 
+def node_layout(topo: Any) -> Tuple[Optional[int], Optional[int]]:
+    """``(nodes, local)`` of a job's :class:`hvd_ext.exchange.transport.Topology`, or ``(None, None)``
+    where it is not known: :func:`timed_here` then checks the ranks alone."""
+    return (topo.cross_size, topo.local_size) if topo is not None else (None, None)
+
+
 def timed_here(cal: Optional[Dict[str, Any]], ranks: int, nodes: Optional[int] = None,
                local: Optional[int] = None) -> bool:
     """Whether ``cal`` was measured on a world of ``ranks`` (of ``nodes`` x ``local``, where given):

@@ -125,8 +125,7 @@ def route_options(comp: Compressor, mode: str, shapes: Union[int, Sequence[int],
     kind = torch.device(device).type if device is not None else "cpu"
     if net.nodes > 1 and kind == "cuda":
         net.allreduce_tree = True   # Horovod's allreduce of GPU tensors: NCCL's trees (as node_links sets)
-    world = (topo.cross_size, topo.local_size) if topo is not None else (None, None)
-    timing = job_codec_timing(comp, cal, codec, device, size, *world)
+    timing = job_codec_timing(comp, cal, codec, device, size, *calibration.node_layout(topo))
     times = {}
     for r in bucket_routes(comp, size, links is not None, mode):
         parts = net.nodes if r.startswith(NODE_PREFIX) else size
