@@ -20,8 +20,9 @@ Run it under the job's launcher (``horovodrun -np N`` / ``mpirun``), on the job'
   eagerly (:mod:`hvd_ext.ops.cpu_kernels`), the speed is fitted below that size, and the compiled
   speed at ``codec_numel`` is kept apart (``codec_compiled``, with ``compile_min``);
 * **a route's host work beyond its codec's passes** -- last, each codec's flat routes run through
-  the gradient pipeline on a tiny, a many-tensor and a large bucket (:mod:`hvd_ext.plan.route_overhead`):
-  seconds per bucket, tensor and element outside the collectives' waits;
+  the gradient pipeline on a tiny, a many-tensor and a large bucket (:mod:`hvd_ext.plan.route_overhead`),
+  each exchange right after a ``step`` where one is given: seconds per bucket, tensor and element
+  outside the collectives' waits;
 * **compute** -- only when a ``step`` callable is given to :func:`measure` (the API): its seconds
   per call in runs of calls back to back, as training runs them (:func:`_measure_compute`); and
   then also each kind of collective **in a step** (``busy_lat_by_kind``): a small allreduce,
@@ -366,7 +367,7 @@ def measure(methods: Sequence[str] = (), codec_numel: int = 4 * 1024 * 1024,
     spread.round()
     _put_spread(links, spread.seconds())
     out["route_overhead_s"] = measure_route_overhead(job, specs, {s: calibration.codec_timing(out, s) for s in specs},
-                                                     gradient_like)
+                                                     gradient_like, step)
     return out
 
 

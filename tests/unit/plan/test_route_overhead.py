@@ -89,3 +89,32 @@ def test_the_file_figure_prices_a_bucket_of_any_layout(route):
     shard = 4 if route.startswith("node:") else 1  # the node-aware route codes a rank's shard
     assert t.overhead_seconds(route, [(1000,)], local=4) == pytest.approx(1e-3 + 2e-4 + 1000 / shard * 1e-9)
     assert CodecTiming(1e9).overhead_seconds(route, [(10,)]) == 0.0
+
+
+def test_given_the_training_step_each_exchange_is_timed_right_after_it_and_the_step_is_not(monkeypatch):
+    """The training step (30 ms, untimed) leaves the host colder: the owner phase right after it takes
+    10 ms more. The figure counts that, once per bucket, and none of the step's own time."""
+    import threading
+
+    cold, calls = threading.local(), []
+    progress = sparse_rs.SparseReduceScatterRoute.progress
+
+    def slow_after_step(self):
+        if getattr(cold, "on", False) and self._p2 is None:
+            cold.on = False
+            time.sleep(0.01)
+        progress(self)
+
+    def step():
+        calls.append(threading.get_ident())
+        time.sleep(0.03)
+        cold.on = True
+
+    monkeypatch.setattr(sparse_rs.SparseReduceScatterRoute, "progress", slow_after_step)
+    got = SimulatedWorld(2, timeout=120.0).run(lambda r, t: route_overhead.measure_route_overhead(
+        _Job(Exchange(transport=t), torch.device("cpu")), ["topk"], TIMINGS, gradient_like, step))
+    bucket = got[0]["topk"]["sparse_rs"][0]
+    assert 0.007 < bucket < 0.02, got
+    per_rank = (route_overhead.WARM + route_overhead.STEP_REPS) * 3 * 2  # 3 buckets on each of 2 routes
+    assert len(calls) == 2 * per_rank and len(set(calls)) == 2
+    assert _measure(["topk"])[0]["topk"]["sparse_rs"][0] < 0.007  # no step: no cold start
