@@ -4,12 +4,11 @@
     python benchmarks/plan_noise.py                      # every saved plan_check run of the 65 rows
     python benchmarks/plan_noise.py --last 5             # the bias table over the 5 newest runs
 
-``plan_check.py`` scores one run: predicted / measured step within +-25% for each of its 65 rows
-(N = 2, 4, 8 at four rates and 2 nodes x 2; five methods each). A run's measured steps move on their
-own: this machine's 2 cores are a VM's, and a row's rounds in one job span up to 2x. This script
-reads the saved runs (``benchmarks/results/plan_check*.json``; a run is a commit's 2- and 4-rank
-file and its 8-rank file, on the line shaper, every row present) and reports, with no new
-measurement:
+``plan_check.py`` scores one run: predicted / measured step within its target (``WITHIN``) for each
+row (a world and a method). A run's measured steps also move on their own, with the machine. This
+script reads the saved runs (``benchmarks/results/plan_check[_n8][_<commit>].json``: a run is its
+2- and 4-rank file and its 8-rank file, on the line shaper, with the same rows as the newest) and
+reports, with no new measurement:
 
 1. per row, its measured step over the runs (least, median, most) -- Horovod's rows run no hvd_ext
    code, so their spread is the testbed's alone;
@@ -25,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -34,6 +34,7 @@ import common
 
 WITHIN = (0.75, 1.25)
 Row = Tuple[int, str, str]  # (ranks, link, method)
+RUN_FILE = re.compile(r"^plan_check(_n8)?(?:_([0-9a-f]{7,40}))?$")  # a run's files, renamed after its commit
 
 
 def within(q: float) -> bool:
@@ -41,25 +42,41 @@ def within(q: float) -> bool:
 
 
 def load_runs(paths: List[Path]) -> List[dict]:
-    """The complete runs among ``paths``, newest first: per run (its files' name less ``plan_check``
-    and ``_n8``: the commit a run's files are renamed after, none for the latest), its rows
-    ``{(ranks, link, method): (measured ms, predicted / measured)}`` from its files on the line shaper."""
-    by_commit: Dict[str, dict] = {}
+    """The complete runs among ``paths``, newest first: per run (named by its files' commit suffix,
+    none for the latest), its rows ``{(ranks, link, method): (measured ms, predicted / measured)}``
+    from its files on the line shaper. Runs without the newest's rows, or timed at the same moment
+    as another (a copy), are left out, each said on stderr."""
+    by_run: Dict[str, dict] = {}
     for path in paths:
+        m = RUN_FILE.match(path.stem)
+        if path.suffix != ".json" or m is None:
+            raise SystemExit(f"plan_noise: {path} is not a saved plan_check run; accepted: "
+                             "plan_check[_n8][_<commit>].json")
         doc = json.loads(path.read_text())
-        if "results" not in doc or any(r.get("shaper", "line") != "line" for r in doc["results"]):
+        if any(r.get("shaper") != "line" for r in doc.get("results", [{}])):
+            print(f"plan_noise: left out {path.name}: not on the line shaper", file=sys.stderr)
             continue
-        commit = path.stem.replace("plan_check", "", 1).replace("_n8", "", 1).lstrip("_")
-        commit = commit or f"latest ({doc.get('machine', {}).get('git_commit', '?')})"
-        run = by_commit.setdefault(commit, {"commit": commit, "date": "", "files": [], "rows": {}})
-        run["date"] = max(run["date"], doc.get("machine", {}).get("date_utc", ""))
-        run["files"].append(path.name)
+        machine = doc.get("machine", {})
+        run = by_run.setdefault(m.group(2) or "latest", {"commit": m.group(2) or "latest", "dates": set(),
+                                                         "files": [], "rows": {}})
+        run["dates"].add(machine.get("date_utc", ""))
+        run["files"].append(f"{path.name} ({machine.get('git_commit', '?')})")
         for res in doc["results"]:
             for row in res["rows"]:
                 run["rows"][(res["ranks"], res["rate"], row["method"])] = (row["measured_step_ms"], row["step_ratio"])
-    runs = sorted(by_commit.values(), key=lambda r: r["date"], reverse=True)
-    widest = max((len(r["rows"]) for r in runs), default=0)
-    return [r for r in runs if len(r["rows"]) == widest]
+    runs = sorted(by_run.values(), key=lambda r: max(r["dates"]), reverse=True)
+    kept: List[dict] = []
+    for run in runs:
+        why = ("not the newest complete run's rows" if kept and set(run["rows"]) != set(kept[0]["rows"])
+               else "the same files as a run kept" if any(run["dates"] & k["dates"] for k in kept)
+               else "")
+        if not kept and len(run["files"]) < 2:
+            why = "a 2/4-rank or an 8-rank file missing"
+        if why:
+            print(f"plan_noise: left out run {run['commit']} ({', '.join(run['files'])}): {why}", file=sys.stderr)
+        else:
+            kept.append(run)
+    return kept
 
 
 def analyse(runs: List[dict], last: int) -> dict:
@@ -71,6 +88,7 @@ def analyse(runs: List[dict], last: int) -> dict:
                 "oracle_within": sum(within(median[k] / r["rows"][k][0]) for k in keys),
                 "oracle_within_horovod": sum(within(median[k] / r["rows"][k][0]) for k in keys
                                              if k[2].startswith("horovod"))} for r in runs]
+    horovod_rows = sum(k[2].startswith("horovod") for k in keys)
     recent = runs[:last]
     per_row = []
     for k in keys:
@@ -80,7 +98,8 @@ def analyse(runs: List[dict], last: int) -> dict:
                         "median_ms": median[k], "most_ms": max(steps),
                         "oracle_within": sum(within(median[k] / s) for s in steps),
                         "ratios": ratios, "median_ratio": statistics.median(ratios)})
-    return {"rows": len(keys), "runs": per_run, "per_row": per_row, "last": len(recent)}
+    return {"rows": len(keys), "horovod_rows": horovod_rows, "runs": per_run, "per_row": per_row,
+            "last": len(recent)}
 
 
 def render(doc) -> str:
@@ -91,7 +110,8 @@ def render(doc) -> str:
              "(module doc of `benchmarks/plan_noise.py`).", "",
              "Per run: rows within +-25% for the planner, and for an oracle that predicts every row at its "
              "median measured step over all these runs (in-sample).", "",
-             "| run | files | planner | oracle | oracle, Horovod's 26 rows |", "|---|---|---|---|---|"]
+             f"| run | files (commit) | planner | oracle | oracle, Horovod's {res['horovod_rows']} rows |",
+             "|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['commit']} | {', '.join(r['files'])} | {r['planner_within']} | {r['oracle_within']} | "
                      f"{r['oracle_within_horovod']} |")
@@ -119,7 +139,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.last < 1:
         raise SystemExit(f"--last must be 1 or more, got {args.last}")
-    runs = load_runs(args.files or sorted(common.RESULTS.glob("plan_check*.json")))
+    runs = load_runs(args.files or [p for p in sorted(common.RESULTS.glob("plan_check*.json"))
+                                    if RUN_FILE.match(p.stem)])
     if len(runs) < 2:
         raise SystemExit("plan_noise: needs two or more complete plan_check runs (a commit's 2/4-rank and "
                          f"8-rank files, line shaper); found {len(runs)}")
