@@ -123,7 +123,7 @@ def test_given_the_training_step_each_exchange_is_timed_right_after_it_and_the_s
     got = SimulatedWorld(2, timeout=120.0).run(lambda r, t: route_overhead.measure_route_overhead(
         _Job(Exchange(transport=t), torch.device("cpu")), ["topk"], TIMINGS, gradient_like, step))
     bucket = got[0]["topk"]["sparse_rs"][0]
-    assert 0.007 < bucket < 0.02, got
+    assert 0.007 < bucket < 0.025, got
     per_rank = (route_overhead.WARM + route_overhead.STEP_REPS) * 3 * 2  # 3 buckets on each of 2 routes
     assert len(calls) == 2 * per_rank and len(set(calls)) == 2
     assert all(seq == ["step", "exchange"] * per_rank for seq in order.values()), order
