@@ -31,8 +31,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import common
-
-WITHIN = (0.75, 1.25)
+from plan_check import WITHIN
 Row = Tuple[int, str, str]  # (ranks, link, method)
 RUN_FILE = re.compile(r"^plan_check(_n8)?(?:_([0-9a-f]{7,40}))?$")  # a run's files, renamed after its commit
 
